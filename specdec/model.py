@@ -1,0 +1,286 @@
+"""A compact Llama-family decoder that runs ragged batches over a preallocated KV cache.
+
+The idea (after gpt-fast's model.py): the KV cache is one preallocated tensor per layer, indexed
+by *slot* (one slot per live sequence) and *position*. A forward call brings, for every row of
+the batch, a slot, the position of its first new token and up to T new tokens; keys and values
+are written at those positions, and rollback of rejected speculative tokens is nothing more than
+the caller forgetting positions (the next write overwrites them).
+
+Weights, config and tokenizer come from transformers (`from_hf`): Llama, Mistral (full
+attention), Qwen2 (qkv bias), Qwen3 (q/k norm) and SmolLM share this layout. The transformers
+model is the reference the logits are tested against (tests/test_model.py).
+
+The model is rank-free: tensor parallelism is applied afterwards by `specdec.tp.apply_tp`, which
+shards the linear layers and adds an all-reduce after the row-parallel ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelArgs":
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        rope = getattr(text, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        return cls(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_layers=text.num_hidden_layers,
+            num_heads=text.num_attention_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=text.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            attention_bias=bool(getattr(text, "attention_bias", False)) or text.model_type == "qwen2",
+            qk_norm=text.model_type in ("qwen3",),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values: [slots, max_len, kv_heads, head_dim] per layer.
+
+    `max_len` includes a margin for padded rows of ragged batches (their padding positions
+    write garbage past the row's end, which is never attended and later overwritten).
+    """
+
+    def __init__(self, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (num_slots, max_len, num_kv_heads, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, rows: "BatchIndex", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # k, v: [B, T, kv_heads, head_dim] written at (slot, position)
+        self.k.index_put_((rows.slot_grid, rows.pos_grid), k)
+        self.v.index_put_((rows.slot_grid, rows.pos_grid), v)
+        if rows.slot_range is not None:
+            lo, hi = rows.slot_range
+            return self.k[lo:hi, : rows.kv_len], self.v[lo:hi, : rows.kv_len]
+        return self.k[rows.slots, : rows.kv_len], self.v[rows.slots, : rows.kv_len]
+
+
+@dataclass
+class BatchIndex:
+    """Where a ragged batch lives in the cache; computed once per forward, shared by all layers."""
+
+    slots: Tensor  # [B] cache slot of each row
+    slot_range: tuple[int, int] | None  # (lo, hi) when slots are contiguous: read by slicing
+    slot_grid: Tensor  # [B, T]
+    pos_grid: Tensor  # [B, T] absolute position of each input token
+    kv_len: int  # keys read per row: max over rows of start + T
+    mask: Tensor  # [B, 1, T, kv_len] True where a query may attend
+
+    @classmethod
+    def build(cls, slots: Tensor, starts: Tensor, T: int) -> "BatchIndex":
+        device = slots.device
+        offs = torch.arange(T, device=device)
+        pos_grid = starts[:, None] + offs[None, :]  # [B, T]
+        kv_len = int(starts.max().item()) + T
+        keys = torch.arange(kv_len, device=device)
+        mask = keys[None, None, :] <= pos_grid[:, :, None]  # [B, T, kv_len]
+        s = slots.tolist()
+        contiguous = s == list(range(s[0], s[0] + len(s)))
+        return cls(
+            slots=slots,
+            slot_range=(s[0], s[0] + len(s)) if contiguous else None,
+            slot_grid=slots[:, None].expand(-1, T),
+            pos_grid=pos_grid,
+            kv_len=kv_len,
+            mask=mask[:, None],
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, rows: BatchIndex) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin  # cos/sin: [B, T, 1, head_dim]
+        k = k * cos + rotate_half(k) * sin
+        keys, values = self.kv_cache.update(rows, k, v)  # [B, L, kv_heads, head_dim]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=rows.mask, enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, heads, T, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, rows: BatchIndex) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rows)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Llama-family decoder. `forward` is ragged and cache-backed; see module docstring."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # kept in float32 outside the module's buffers so that .to(bfloat16) cannot round it
+        self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device="cpu").float() / args.head_dim))
+        self.attention_scaling = 1.0
+        self.num_slots = 0
+        self.max_len = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def setup_cache(self, num_slots: int, max_len: int, margin: int = 16) -> None:
+        """Preallocate the KV cache: `num_slots` sequences of up to `max_len` positions."""
+        self.num_slots, self.max_len = num_slots, max_len
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache = KVCache(num_slots, max_len + margin, attn.num_kv_heads, attn.head_dim,
+                                    self.dtype, self.device)
+
+    def cache_bytes(self) -> int:
+        return sum(l.self_attn.kv_cache.k.numel() * 2 * l.self_attn.kv_cache.k.element_size()
+                   for l in self.layers if l.self_attn.kv_cache is not None)
+
+    def rope(self, pos_grid: Tensor) -> tuple[Tensor, Tensor]:
+        if self.inv_freq.device != pos_grid.device:
+            self.inv_freq = self.inv_freq.to(pos_grid.device)
+        freqs = pos_grid[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, head_dim]
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
+
+    def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
+        """tokens: [B, T] new tokens; slots, starts: [B]. Returns final-norm features [B, T, hidden]."""
+        rows = BatchIndex.build(slots, starts, tokens.shape[1])
+        cos, sin = self.rope(rows.pos_grid)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, rows)
+        return self.norm(x)
+
+    def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
+                n_logits: int = 1) -> tuple[Tensor, Tensor]:
+        """Run new tokens and return logits of `n_logits` positions per row ending at `last`.
+
+        tokens: [B, T]; slots, starts: [B]; last: [B] index (within T) of each row's last real
+        token (default T-1). Returns (logits [B, n_logits, vocab] float32, hidden [B, n_logits, hidden]).
+        """
+        B, T = tokens.shape
+        h = self.hidden_states(tokens, slots, starts)  # [B, T, hidden]
+        if last is None:
+            last = torch.full((B,), T - 1, device=tokens.device)
+        idx = (last[:, None] - n_logits + 1 + torch.arange(n_logits, device=tokens.device)).clamp(min=0)
+        h = torch.gather(h, 1, idx[:, :, None].expand(-1, -1, h.shape[-1]))  # [B, n_logits, hidden]
+        return self.lm_head(h).float(), h
+
+    @classmethod
+    def from_hf(cls, hf_model, dtype=None) -> "Transformer":
+        """Build from a loaded transformers causal LM, sharing (not copying) its weights."""
+        args = ModelArgs.from_hf_config(hf_model.config)
+        with torch.device("meta"):
+            model = cls(args)
+        sd = hf_model.state_dict()
+        base = "model." if any(k.startswith("model.layers.") for k in sd) else ""
+        mapped = {}
+        for name, tensor in sd.items():
+            if name.startswith(base + "layers.") or name in (base + "embed_tokens.weight", base + "norm.weight"):
+                mapped[name[len(base):]] = tensor
+            elif name == "lm_head.weight":
+                mapped[name] = tensor
+        if "lm_head.weight" not in mapped:
+            mapped["lm_head.weight"] = mapped["embed_tokens.weight"]
+        model.load_state_dict(mapped, strict=False, assign=True)
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
+        rot = getattr(getattr(hf_model, "model", hf_model), "rotary_emb", None)
+        if rot is not None:  # any rope variant transformers supports (llama3, yarn, ...)
+            model.inv_freq = rot.inv_freq.detach().float().clone()
+            model.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        if dtype is not None:
+            model = model.to(dtype)
+        return model.eval()

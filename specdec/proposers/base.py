@@ -1,0 +1,37 @@
+"""The proposer interface: `propose(batch) -> DraftOutput` for a whole batch.
+
+A proposer keeps per-sequence state (a draft KV cache, or just the token history) that it syncs
+from the confirmed tokens each round brings (`SpecBatch.offsets`/`new_tokens`). Variants register
+themselves by name in `PROPOSERS`, so configuration picks one without an if-chain.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from specdec.metadata import DraftOutput, SpecBatch
+
+PROPOSERS: dict[str, type["Proposer"]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        PROPOSERS[name] = cls
+        cls.name = name
+        return cls
+    return deco
+
+
+class Proposer(ABC):
+    name = "base"
+
+    @abstractmethod
+    def propose(self, batch: SpecBatch) -> DraftOutput:
+        """Propose up to batch.num_draft[i] tokens for each row."""
+
+    def release(self, seq_ids) -> None:
+        """Forget finished or aborted sequences."""
+
+    @property
+    def has_model(self) -> bool:
+        """True when proposing costs a model forward (its cost enters the adaptive policy)."""
+        return False

@@ -1,0 +1,110 @@
+"""`DraftModelProposer`: a smaller causal LM with the target's tokenizer proposes k tokens by k
+autoregressive steps for the whole batch, keeping its own KV cache.
+
+Cache sync: after proposing, the cache holds the confirmed tokens plus the drafts it fed
+(d_1..d_{k-1}; d_k is never fed). Next round the confirmed tokens arrive; the cache stays valid
+as far as they agree with the fed drafts, so the first step feeds one token after a rejection and
+two (d_k and the bonus token) after a full acceptance. That first step is ragged and also
+prefills new sequences; steps 2..k feed one token per row.
+
+A reduced-vocabulary head (FR-Spec, Zhao et al. 2025) gives logits over `token_map` only: the
+draft's q is zero elsewhere and the rejection sampler's residual covers the rest, so it stays
+lossless. Sampled rows draw from the top-`top_j` truncation of the draft distribution; q is then
+exactly that sparse distribution, which keeps what crosses processes small.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from specdec.metadata import U_DRAFT, DraftOutput, SpecBatch
+from specdec.proposers.base import Proposer, register
+from specdec.rejection_sampler import DraftProbs
+from specdec.runner import SlotTable, run_ragged
+from specdec.sampling import logits_to_probs, sample_from_probs
+
+
+@register("draft")
+class DraftModelProposer(Proposer):
+    def __init__(self, model, num_slots: int, max_model_len: int, token_map: Tensor | None = None,
+                 top_j: int = 32, **_):
+        self.model = model
+        model.setup_cache(num_slots, max_model_len)
+        self.table = SlotTable(num_slots, max_model_len)
+        self.token_map = token_map  # [V_draft] target ids of the draft head's outputs, or None
+        self.top_j = top_j
+
+    @property
+    def has_model(self) -> bool:
+        return True
+
+    def release(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.table.release(s)
+
+    def _choose(self, logits: Tensor, rows: list[int], batch: SpecBatch, step: int):
+        """logits [n, V_draft] -> (target ids [n], q ids [n, J], q vals [n, J])."""
+        idx = torch.tensor(rows)
+        temp = batch.temperature[idx]
+        greedy = temp == 0
+        local = logits.argmax(-1)
+        J = min(self.top_j, logits.shape[-1])
+        q_ids = local[:, None].expand(-1, J).clone()
+        q_vals = torch.zeros(len(rows), J)
+        q_vals[:, 0] = 1.0
+        if not bool(greedy.all()):
+            probs = logits_to_probs(logits, temp, batch.top_k[idx], batch.top_p[idx])
+            vals, ids = probs.topk(J, dim=-1)  # the draft samples from this truncation: q is exact
+            vals = vals / vals.sum(-1, keepdim=True)
+            pick = sample_from_probs(vals, batch.uniforms[idx, U_DRAFT, step])
+            sampled = ids.gather(1, pick[:, None]).squeeze(1)
+            local = torch.where(greedy, local, sampled)
+            q_ids = torch.where(greedy[:, None], q_ids, ids)
+            q_vals = torch.where(greedy[:, None], q_vals, vals.float())
+        if self.token_map is not None:
+            return self.token_map[local], self.token_map[q_ids], q_vals
+        return local, q_ids, q_vals
+
+    @torch.inference_mode()
+    def propose(self, batch: SpecBatch) -> DraftOutput:
+        t0 = time.perf_counter()
+        self.release(batch.release)
+        B, K = len(batch), batch.max_draft
+        tokens = torch.zeros(B, K, dtype=torch.long)
+        J = self.top_j if self.token_map is None else min(self.top_j, len(self.token_map))
+        q_ids = torch.zeros(B, K, J, dtype=torch.long)
+        q_vals = torch.zeros(B, K, J)
+        num, unknown, states = [0] * B, [], {}
+        for i in range(B):
+            st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+            if st is None or not st.tokens:
+                unknown.append(i)
+            elif batch.num_draft[i] > 0:
+                states[i] = st
+        steps = 0
+        active = list(states)
+        for j in range(K):
+            active = [i for i in active if batch.num_draft[i] > j]
+            if not active:
+                break
+            sts = [states[i] for i in active]
+            if j == 0:  # catch up on confirmed tokens (prefill for new rows), ragged
+                for st in sts:  # always feed at least the last token (rewriting its keys is harmless)
+                    st.cached = min(st.cached, len(st.tokens) - 1)
+                feeds = [st.tokens[st.cached:] for st in sts]
+                starts = [st.cached for st in sts]
+            else:
+                feeds = [[st.tokens[-1]] for st in sts]
+                starts = [len(st.tokens) - 1 for st in sts]
+            logits = run_ragged(self.model, feeds, [st.slot for st in sts], starts, [1] * len(sts))
+            steps += 1
+            ids, qi, qv = self._choose(torch.cat(logits), active, batch, j)
+            for r, (i, st) in enumerate(zip(active, sts)):
+                st.cached = len(st.tokens)
+                tokens[i, j], q_ids[i, j], q_vals[i, j] = ids[r], qi[r], qv[r]
+                num[i] = j + 1
+                if j + 1 < batch.num_draft[i]:
+                    st.tokens.append(int(ids[r]))  # tentative: fed next step
+        return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0, steps)

@@ -1,0 +1,127 @@
+"""The verifier: speculative rejection sampling as pure functions over a batched round.
+
+Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and Chen et
+al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"): the draft proposes x ~ q; the
+target, in one forward pass over the k draft tokens, gives p at every position. Draft token j is
+accepted with probability min(1, p(x_j) / q(x_j)); at the first rejection the target's token is
+drawn from normalize(max(0, p - q)); if all k are accepted a further token is drawn from p. The
+emitted tokens are then distributed exactly as if sampled from the target one by one.
+
+Words used everywhere in this project (and only in these senses):
+- **accepted**: draft tokens the target kept (0..k per round);
+- **recovered** token: the target's token sampled at the first rejected position;
+- **bonus** token: the target's token after all k drafts were accepted;
+- a round therefore emits accepted + 1 tokens (the last is recovered or bonus), and the
+  **mean accepted length** is (accepted + 1) averaged over rounds (see `stats.SpecStats`).
+
+Greedy rows (temperature 0) accept while draft == argmax(target) and then emit the argmax.
+A draft without probabilities (n-gram) has a one-hot q. A draft with a reduced vocabulary has q
+zero outside it; the residual max(0, p - q) then still covers every token the target can emit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.sampling import logits_to_probs, sample_from_probs
+
+
+@dataclass
+class DraftProbs:
+    """Sparse draft distributions: q[b, j] is `vals[b, j]` on token ids `ids[b, j]` (zero elsewhere)."""
+
+    ids: Tensor  # [B, K, J] long
+    vals: Tensor  # [B, K, J] float
+
+    def dense(self, vocab_size: int) -> Tensor:
+        B, K, _ = self.ids.shape
+        q = torch.zeros(B, K, vocab_size, dtype=torch.float32, device=self.ids.device)
+        return q.scatter_(2, self.ids, self.vals.float())  # [B, K, V]
+
+
+def accepted_prefix(accept: Tensor) -> Tensor:
+    """Length of the leading run of True per row. accept: [B, K] -> [B]."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor]:
+    """target_logits [B, K+1, V], draft_tokens [B, K], num_draft [B] -> (num_accepted [B], final [B])."""
+    K = draft_tokens.shape[1]
+    argmax = target_logits.argmax(-1)  # [B, K+1]
+    valid = torch.arange(K, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    n_acc = accepted_prefix((draft_tokens == argmax[:, :K]) & valid)
+    final = argmax.gather(1, n_acc[:, None]).squeeze(1)
+    return n_acc, final
+
+
+def random_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor, draft_q: Tensor,
+                  u_accept: Tensor, u_sample: Tensor) -> tuple[Tensor, Tensor]:
+    """Lossless rejection sampling.
+
+    target_probs [B, K+1, V] (after temperature/top-k/top-p), draft_tokens [B, K], num_draft [B],
+    draft_q [B, K, V] (the distributions the drafts were sampled from), u_accept/u_sample [B, K+1]
+    uniforms. Returns (num_accepted [B], final token [B]: recovered or bonus).
+    """
+    B, K = draft_tokens.shape
+    if K > 0:
+        p_x = target_probs[:, :K].gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+        q_x = draft_q.gather(2, draft_tokens[:, :, None]).squeeze(2)  # [B, K]
+        valid = torch.arange(K, device=draft_tokens.device)[None, :] < num_draft[:, None]
+        # accept with probability min(1, p(x) / q(x)): u < p/q  <=>  u * q < p
+        n_acc = accepted_prefix((u_accept[:, :K] * q_x < p_x) & valid)
+    else:
+        n_acc = torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_final = target_probs[rows, n_acc]  # [B, V]
+    if K > 0:
+        rejected = n_acc < num_draft
+        q_final = draft_q[rows, n_acc.clamp(max=K - 1)] * rejected[:, None]  # zero for bonus rows
+        residual = (p_final - q_final).clamp(min=0)  # [B, V]
+        empty = residual.sum(-1) <= 0  # p == q exactly: cannot be rejected, guard rounding only
+        dist = torch.where(empty[:, None], p_final, residual)
+    else:
+        dist = p_final
+    final = sample_from_probs(dist, u_sample[rows, n_acc])
+    return n_acc, final
+
+
+def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor,
+                     draft_probs: DraftProbs | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                     uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """Verify one batched round.
+
+    target_logits [B, K+1, V]; draft_tokens [B, K] (rows padded past num_draft [B]);
+    draft_probs: sparse q or None (then q is one-hot on the draft tokens);
+    temperature/top_k/top_p [B]; uniforms [B, 2, K+1] (accept tests, recovered/bonus draws).
+    Returns (output_tokens [B, K+1] with -1 after each row's end, num_accepted [B]).
+    """
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    greedy = temperature == 0
+    n_acc, final = greedy_verify(target_logits, draft_tokens, num_draft)
+    if not bool(greedy.all()):
+        r = (~greedy).nonzero().squeeze(1)  # rows that sample
+        p = logits_to_probs(target_logits[r].reshape(-1, V), temperature[r].repeat_interleave(K1),
+                            top_k[r].repeat_interleave(K1), top_p[r].repeat_interleave(K1)).view(-1, K1, V)
+        if draft_probs is None:
+            q = torch.zeros(len(r), K, V, device=p.device).scatter_(2, draft_tokens[r, :, None], 1.0)
+        else:
+            q = DraftProbs(draft_probs.ids[r], draft_probs.vals[r]).dense(V)
+        n_r, f_r = random_verify(p, draft_tokens[r], num_draft[r], q, uniforms[r, 0], uniforms[r, 1])
+        n_acc, final = n_acc.clone(), final.clone()
+        n_acc[r], final[r] = n_r, f_r
+    pos = torch.arange(K1, device=target_logits.device)[None, :]  # [1, K+1]
+    padded = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
+    out = torch.where(pos < n_acc[:, None], padded, torch.full_like(padded, -1))
+    out[torch.arange(B), n_acc] = final
+    return out, n_acc
+
+
+class RejectionSampler:
+    """Namespace for the verifier's pure functions (vLLM-style name)."""
+
+    greedy = staticmethod(greedy_verify)
+    random = staticmethod(random_verify)
+    __call__ = staticmethod(rejection_sample)

@@ -1,0 +1,115 @@
+"""Slot bookkeeping and ragged forward passes shared by the target and draft models.
+
+A `SlotTable` maps sequence ids to KV-cache slots (lowest free slot first, so a steady batch
+occupies a contiguous range that attention reads by slicing) and remembers how many positions of
+each slot hold valid keys/values. `run_ragged` runs rows with different numbers of new tokens:
+short rows (decode/verify) share one padded forward, long rows (prefills) run on their own so a
+long prompt never pads the whole batch.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+SHORT_ROW = 16  # rows with at most this many new tokens are batched together
+
+
+class CacheFullError(RuntimeError):
+    """No free KV slot, or a sequence outgrew its slot's positions."""
+
+
+@dataclass
+class SlotState:
+    slot: int
+    tokens: list[int] = field(default_factory=list)  # confirmed tokens of the sequence
+    cached: int = 0  # positions [0, cached) of the slot hold valid keys/values
+
+
+class SlotTable:
+    def __init__(self, num_slots: int, max_len: int):
+        self.max_len = max_len
+        self.free = list(range(num_slots))
+        heapq.heapify(self.free)
+        self.seqs: dict[int, SlotState] = {}
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.seqs
+
+    def __getitem__(self, seq_id: int) -> SlotState:
+        return self.seqs[seq_id]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, seq_id: int) -> SlotState:
+        if seq_id in self.seqs:
+            self.release(seq_id)
+        if not self.free:
+            raise CacheFullError("no free KV-cache slot")
+        st = SlotState(heapq.heappop(self.free))
+        self.seqs[seq_id] = st
+        return st
+
+    def release(self, seq_id: int) -> None:
+        st = self.seqs.pop(seq_id, None)
+        if st is not None:
+            heapq.heappush(self.free, st.slot)
+
+    def sync(self, seq_id: int, offset: int, new_tokens: list[int]) -> SlotState | None:
+        """Apply the confirmed tokens a round brings; offset 0 starts the sequence afresh.
+
+        Tokens the table held past `offset` (a proposer's tentative drafts) are replaced; cached
+        positions stay valid as far as the old and new tokens agree. Returns None when the
+        sequence cannot be continued at `offset` (unknown, or a gap): report it unknown.
+        """
+        if offset == 0:
+            st = self.allocate(seq_id)
+            st.tokens = list(new_tokens)
+            return st
+        st = self.seqs.get(seq_id)
+        if st is None or len(st.tokens) < offset:
+            return None
+        tail = st.tokens[offset:]
+        common = 0
+        for a, b in zip(tail, new_tokens):
+            if a != b:
+                break
+            common += 1
+        del st.tokens[offset:]
+        st.tokens.extend(new_tokens)
+        st.cached = min(st.cached, offset + common)
+        return st
+
+
+def run_ragged(model, feeds: list[list[int]], slots: list[int], starts: list[int],
+               n_logits: list[int], return_hidden: bool = False):
+    """Forward rows of different lengths; returns per-row logits [n_logits[i], V] (and hidden).
+
+    feeds[i]: new tokens of row i, written at positions starts[i]... of slot slots[i].
+    """
+    device = model.device
+    out_logits: list[Tensor | None] = [None] * len(feeds)
+    out_hidden: list[Tensor | None] = [None] * len(feeds)
+    short = [i for i, f in enumerate(feeds) if len(f) <= SHORT_ROW]
+    groups = ([short] if short else []) + [[i] for i, f in enumerate(feeds) if len(f) > SHORT_ROW]
+    for rows in groups:
+        T = max(len(feeds[i]) for i in rows)
+        n = max(n_logits[i] for i in rows)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, i in enumerate(rows):
+            tokens[r, : len(feeds[i])] = torch.tensor(feeds[i])
+        last = torch.tensor([len(feeds[i]) - 1 for i in rows])
+        logits, hidden = model(tokens.to(device), torch.tensor([slots[i] for i in rows], device=device),
+                               torch.tensor([starts[i] for i in rows], device=device), last.to(device), n)
+        for r, i in enumerate(rows):  # the row's logits are the last n_logits[i] of the n computed
+            out_logits[i] = logits[r, n - n_logits[i]:]
+            if return_hidden:
+                out_hidden[i] = hidden[r, n - n_logits[i]:]
+    return (out_logits, out_hidden) if return_hidden else out_logits

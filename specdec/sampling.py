@@ -1,0 +1,97 @@
+"""Sampling parameters and the logits -> probabilities transforms shared by draft and target.
+
+Randomness never comes from a global generator: every sequence owns a `torch.Generator` seeded
+from its request (or from fresh entropy) and the round planner draws that sequence's uniforms
+from it, so a seeded request is reproducible whatever else shares its batch. Samples are drawn by
+inverse CDF from one uniform each, which lets the uniforms travel to other processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI semantics)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # None = adaptive; 0 = no speculation
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask logits outside the top-k / nucleus. logits: [N, V]; top_k (0 = off), top_p: [N]."""
+    V = logits.shape[-1]
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1).any())
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+        mask |= torch.arange(V, device=logits.device)[None, :] >= k[:, None]
+    if need_p:
+        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
+        cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
+        mask |= cum_before >= top_p[:, None]  # keep the smallest prefix reaching top_p
+    mask[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Probabilities after temperature, top-k and top-p. logits: [N, V]; params: [N].
+
+    Rows with temperature 0 (greedy) get temperature 1 here; callers treat them separately.
+    """
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logits = logits.float() / t[:, None]
+    return apply_top_k_top_p(logits, top_k, top_p).softmax(-1)
+
+
+def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sample, one uniform per row. probs: [N, V] (need not sum to 1); u: [N] in [0,1)."""
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    x = u.double() * cdf[:, -1]
+    idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(-1)
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    # never return a zero-probability token because of rounding at the top of the cdf
+    bad = probs.gather(-1, idx[:, None]).squeeze(-1) <= 0
+    if bool(bad.any()):
+        idx = torch.where(bad, probs.argmax(-1), idx)
+    return idx
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g

@@ -1,0 +1,155 @@
+"""Continuous batching of speculative rounds: who runs, with which k, and what each side is sent.
+
+`plan()` admits waiting sequences (up to `max_batch_size`), picks each row's k (fixed by the
+request, or adaptive), draws the row's uniforms from its own generator and builds the round's
+`SpecBatch` for the proposer. `target_batch()` builds the target's view once the drafts are known,
+and `commit()` appends what the target emitted (stop conditions included), updates offsets,
+adaptive state and stats, and retires finished sequences. Sequences join and leave between rounds.
+
+The loop that calls proposer and target is not here: `engine.LLMEngine.step` runs it in process,
+and the Ray Serve router runs the same three calls against deployment handles.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specdec.adaptive import AdaptiveConfig, AdaptiveK, CostModel
+from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
+from specdec.sequence import Sequence
+from specdec.stats import SpecStats
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 8
+    max_model_len: int = 2048
+    k_max: int = 4  # cap for adaptive k and for a request's num_speculative_tokens
+    speculate: bool = True  # False: plain decoding (k = 0 for every row)
+    adaptive: bool = True  # False: every row uses k_max unless the request says otherwise
+
+
+@dataclass
+class RoundPlan:
+    seqs: list[Sequence]
+    draft_batch: SpecBatch
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, tokenizer=None, eos_token_ids=(), proposer_has_model: bool = True,
+                 adaptive_cfg: AdaptiveConfig | None = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.proposer_has_model = proposer_has_model
+        self.adaptive_cfg = adaptive_cfg or AdaptiveConfig(k_max=cfg.k_max)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.to_release: list[int] = []
+        self.cost = CostModel()
+        self.stats = SpecStats()
+
+    # ---- membership -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> Sequence:
+        seq.eos_token_ids = seq.eos_token_ids or self.eos_token_ids
+        seq.max_model_len = min(seq.max_model_len, self.cfg.max_model_len)
+        seq.adaptive = AdaptiveK(self.adaptive_cfg)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        for q in (self.waiting, self.running):
+            for s in q:
+                if s.seq_id == seq_id:
+                    s.abort()
+                    q.remove(s)
+                    if q is self.running:
+                        self.to_release.append(seq_id)
+                    return s
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_releases(self) -> list[int]:
+        out, self.to_release = self.to_release, []
+        return out
+
+    # ---- planning ---------------------------------------------------------------------------
+    def choose_k(self, seq: Sequence) -> int:
+        req = seq.params.num_speculative_tokens
+        if not self.cfg.speculate:
+            k = 0
+        elif req is not None:
+            k = min(req, self.cfg.k_max)
+        elif self.cfg.adaptive:
+            k = seq.adaptive.choose(self.cost, self.proposer_has_model)
+        else:
+            k = self.cfg.k_max
+        return max(0, min(k, seq.remaining - 1))
+
+    def plan(self) -> RoundPlan | None:
+        while self.waiting and len(self.running) < self.cfg.max_batch_size:
+            self.running.append(self.waiting.popleft())
+        if not self.running:
+            return None
+        seqs = list(self.running)
+        ks = [self.choose_k(s) for s in seqs]
+        K = max(ks)
+        uniforms = torch.zeros(len(seqs), 3, K + 1, dtype=torch.float64)
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            if not s.params.greedy:  # each row draws from its own generator: batch-independent
+                uniforms[i, :, : k + 1] = torch.rand(3, k + 1, generator=s.generator, dtype=torch.float64)
+        batch = SpecBatch(
+            seq_ids=[s.seq_id for s in seqs],
+            offsets=[s.draft_offset for s in seqs],
+            new_tokens=[s.tokens[s.draft_offset:] for s in seqs],
+            num_draft=ks,
+            temperature=torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32),
+            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.long),
+            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
+            uniforms=uniforms,
+            release=self.take_releases(),
+        )
+        return RoundPlan(seqs, batch)
+
+    def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
+        seqs = plan.seqs
+        return plan.draft_batch.with_side(
+            [s.target_offset for s in seqs], [s.tokens[s.target_offset:] for s in seqs],
+            num_draft=list(draft.num_draft))
+
+    # ---- commit -----------------------------------------------------------------------------
+    def commit(self, plan: RoundPlan, draft: DraftOutput, verify: VerifyOutput, draft_time: float,
+               target_time: float, round_time: float, drafted: bool = True) -> list[Sequence]:
+        """Apply a round's results. Returns the sequences that changed (finished ones included)."""
+        seqs = plan.seqs
+        unknown_t, unknown_d = set(verify.unknown), set(draft.unknown)
+        for i, s in enumerate(seqs):
+            if s.finished:  # aborted while the round ran
+                continue
+            if drafted:
+                s.draft_offset = 0 if i in unknown_d else len(plan.draft_batch.new_tokens[i]) + plan.draft_batch.offsets[i]
+            if i in unknown_t:
+                s.target_offset = 0  # resend the whole context next round
+                continue
+            emitted, m, k = verify.tokens[i], verify.num_accepted[i], draft.num_draft[i]
+            s.append(emitted, self.tokenizer)
+            s.target_offset = len(s.tokens)
+            s.proposed += k
+            s.accepted += m
+            s.rounds += 1
+            s.adaptive.update(k, m)
+            self.stats.observe_row(k, m, len(emitted))
+        self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
+        # wall times as the loop paid them (in the service they include the deployment hops)
+        self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps, target_time)
+        done = [s for s in seqs if s.finished]
+        for s in done:
+            if s in self.running:
+                self.running.remove(s)
+                self.to_release.append(s.seq_id)
+        return seqs

@@ -1,0 +1,120 @@
+"""A sequence being generated: its tokens, sampling state, stop conditions and streamed text.
+
+Stop conditions are applied token by token when a round's tokens are appended, so a stop that
+falls inside an accepted run ends the sequence there: nothing after it is kept or returned.
+Stop strings are cut from the text (OpenAI semantics); streamed text holds back a tail that could
+still become a stop string, and an incomplete UTF-8 character.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.adaptive import AdaptiveConfig, AdaptiveK
+from specdec.sampling import SamplingParams, make_generator
+
+_ids = itertools.count(1)
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    max_model_len: int = 1 << 30
+    adaptive: AdaptiveK | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + output (confirmed)
+    text: str = ""  # decoded output, cut at a stop string
+    sent_chars: int = 0  # text already handed out by take_delta()
+    finish_reason: str | None = None
+    draft_offset: int = 0  # confirmed tokens the proposer holds
+    target_offset: int = 0  # confirmed tokens the target holds
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+        if self.generator is None:
+            self.generator = make_generator(self.params.seed)
+        if self.adaptive is None:
+            self.adaptive = AdaptiveK(AdaptiveConfig())
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this sequence may still emit."""
+        return min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
+
+    def append(self, new: list[int], tokenizer) -> int:
+        """Append a round's tokens, applying stop conditions. Returns how many were kept."""
+        p = self.params
+        kept = 0
+        for tok in new:
+            if self.finished:
+                break
+            self.tokens.append(tok)
+            kept += 1
+            if self.first_token_time is None:
+                self.first_token_time = time.perf_counter()
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self.finish_reason = FINISH_STOP
+            elif p.stop and tokenizer is not None:
+                self._check_stop_strings(tokenizer)
+            if not self.finished and self.remaining <= 0:
+                self.finish_reason = FINISH_LENGTH
+        if tokenizer is not None and not (p.stop and self.finish_reason == FINISH_STOP):
+            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        return kept
+
+    def _check_stop_strings(self, tokenizer) -> None:
+        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        start = max(0, len(self.text) - max(len(s) for s in self.params.stop))
+        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = text[: min(hits)]
+            self.finish_reason = FINISH_STOP
+        else:
+            self.text = text
+
+    def take_delta(self) -> str:
+        """New text safe to stream: all of it once finished, else minus a possible stop prefix."""
+        end = len(self.text)
+        if not self.finished:
+            if self.params.stop:
+                end -= max(len(s) for s in self.params.stop) - 1
+            while end > self.sent_chars and self.text[end - 1] == "\ufffd":
+                end -= 1  # an incomplete UTF-8 character: wait for its next bytes
+        if end <= self.sent_chars:
+            return ""
+        delta = self.text[self.sent_chars:end]
+        self.sent_chars = end
+        return delta
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finish_reason = FINISH_ABORT

@@ -1,0 +1,83 @@
+"""Speculation statistics on the hot path: plain counters, no exporters (those live in serve_app).
+
+Definitions (used everywhere): a *row-round* is one sequence in one round. Per row-round the
+target emits accepted + 1 tokens (the last one recovered or bonus), so
+- acceptance rate      = accepted / proposed;
+- mean accepted length = emitted / row-rounds = mean of (accepted + 1), rounds without drafts
+  counting 1 — the tokens each target forward yields per sequence;
+- per-position acceptance[j] = accepted at draft position j / proposed at position j.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    row_rounds: int = 0
+    spec_row_rounds: int = 0  # row-rounds that had at least one draft token
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    proposed_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    batch_size_sum: int = 0
+    draft_time: float = 0.0  # seconds, summed over rounds
+    target_time: float = 0.0
+    round_time: float = 0.0  # wall time of whole rounds (draft + target + everything else)
+
+    def observe_row(self, proposed: int, accepted: int, emitted: int) -> None:
+        self.row_rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.emitted += emitted
+        if proposed:
+            self.spec_row_rounds += 1
+        while len(self.proposed_per_pos) < proposed:
+            self.proposed_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for j in range(proposed):
+            self.proposed_per_pos[j] += 1
+            if j < accepted:
+                self.accepted_per_pos[j] += 1
+
+    def observe_round(self, batch_size: int, draft_time: float, target_time: float, round_time: float) -> None:
+        self.rounds += 1
+        self.batch_size_sum += batch_size
+        self.draft_time += draft_time
+        self.target_time += target_time
+        self.round_time += round_time
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.emitted / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_pos, self.proposed_per_pos)]
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / self.rounds if self.rounds else 0.0
+
+    def merge(self, other: "SpecStats") -> None:
+        for name in ("rounds", "row_rounds", "spec_row_rounds", "proposed", "accepted", "emitted",
+                     "batch_size_sum", "draft_time", "target_time", "round_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        n = max(len(self.proposed_per_pos), len(other.proposed_per_pos))
+        for lst in (self.proposed_per_pos, self.accepted_per_pos):
+            lst.extend([0] * (n - len(lst)))
+        for j, (p, a) in enumerate(zip(other.proposed_per_pos, other.accepted_per_pos)):
+            self.proposed_per_pos[j] += p
+            self.accepted_per_pos[j] += a
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                 per_position_acceptance=self.per_position_acceptance, mean_batch_size=self.mean_batch_size)
+        return d

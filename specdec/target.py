@@ -1,0 +1,83 @@
+"""The target side of a round: one forward pass over every row's new tokens and drafts, then the
+rejection sampler. Holds the target's KV cache (one slot per sequence).
+
+Per row the forward feeds the confirmed tokens the cache lacks (the whole prompt for a new
+sequence, otherwise the last emitted token) followed by the k draft tokens, and keeps logits at
+the last k+1 positions. After sampling, the cache is valid up to the last accepted draft: the
+rejected positions are rolled back by lowering `cached`, nothing is copied.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
+from specdec.rejection_sampler import DraftProbs, rejection_sample
+from specdec.runner import CacheFullError, SlotTable, run_ragged
+
+
+class TargetWorker:
+    def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False):
+        self.model = model
+        self.max_model_len = max_model_len
+        model.setup_cache(num_slots, max_model_len)
+        self.table = SlotTable(num_slots, max_model_len)
+        self.return_hidden = return_hidden
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    def release(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.table.release(s)
+
+    @torch.inference_mode()
+    def verify(self, batch: SpecBatch, draft: DraftOutput) -> VerifyOutput:
+        t0 = time.perf_counter()
+        self.release(batch.release)
+        B = len(batch)
+        rows, states, unknown = [], [], []
+        for i in range(B):
+            st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+            if st is None or not st.tokens:
+                unknown.append(i)
+            else:
+                rows.append(i)
+                states.append(st)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        n_acc_out = [0] * B
+        hidden_out = [None] * B if self.return_hidden else None
+        if rows:
+            K = draft.tokens.shape[1]
+            num_draft = [draft.num_draft[i] for i in rows]
+            drafts = [draft.tokens[i, : num_draft[r]].tolist() for r, i in enumerate(rows)]
+            for st in states:  # always feed at least the last confirmed token
+                st.cached = min(st.cached, len(st.tokens) - 1)
+            feeds = [st.tokens[st.cached:] + d for st, d in zip(states, drafts)]
+            starts = [st.cached for st in states]
+            for st, f, i in zip(states, feeds, rows):
+                if st.cached + len(f) > self.max_model_len:
+                    raise CacheFullError(f"sequence {batch.seq_ids[i]} exceeds max_model_len "
+                                         f"{self.max_model_len}")
+            res = run_ragged(self.model, feeds, [st.slot for st in states], starts,
+                             [n + 1 for n in num_draft], return_hidden=self.return_hidden)
+            logits_rows, hidden_rows = res if self.return_hidden else (res, None)
+            logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
+            for r, lg in enumerate(logits_rows):
+                logits[r, : lg.shape[0]] = lg
+            idx = torch.tensor(rows)
+            probs = None if draft.probs is None else DraftProbs(draft.probs.ids[idx], draft.probs.vals[idx])
+            out, n_acc = rejection_sample(
+                logits, draft.tokens[idx], torch.tensor(num_draft), probs, batch.temperature[idx],
+                batch.top_k[idx], batch.top_p[idx], batch.uniforms[idx][:, 1:, : K + 1])
+            for r, (i, st) in enumerate(zip(rows, states)):
+                m = int(n_acc[r])
+                emitted = out[r, : m + 1].tolist()
+                st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts
+                st.tokens.extend(emitted)
+                tokens[i], n_acc_out[i] = emitted, m
+                if hidden_rows is not None:
+                    hidden_out[i] = hidden_rows[r][: m + 1]
+        return VerifyOutput(tokens, n_acc_out, unknown, time.perf_counter() - t0, hidden_out)
