@@ -257,6 +257,20 @@ class Transformer(nn.Module):
         h = torch.gather(h, 1, idx[:, :, None].expand(-1, -1, h.shape[-1]))  # [B, n_logits, hidden]
         return self.lm_head(h).float(), h
 
+    def first_layers(self, n: int) -> "Transformer":
+        """A self-speculation draft: this model's first n layers, final norm and head, sharing the
+        weights (no copy) but with its own KV cache (LayerSkip-style early exit, zero training)."""
+        if not 0 < n <= self.args.num_layers:
+            raise ValueError(f"self-draft layers must be in 1..{self.args.num_layers}, got {n}")
+        args = ModelArgs(**{**self.args.__dict__, "num_layers": n})
+        with torch.device("meta"):
+            draft = Transformer(args)
+        shared = {k: v for k, v in self.state_dict().items()
+                  if not k.startswith("layers.") or int(k.split(".")[1]) < n}
+        draft.load_state_dict(shared, strict=True, assign=True)
+        draft.inv_freq, draft.attention_scaling = self.inv_freq, self.attention_scaling
+        return draft.eval()
+
     @classmethod
     def from_hf(cls, hf_model, dtype=None) -> "Transformer":
         """Build from a loaded transformers causal LM, sharing (not copying) its weights."""

@@ -1,0 +1,148 @@
+"""The speculative loop end to end in process: greedy identity, join/leave, stops, seeds, k=0."""
+import pytest
+import torch
+
+from specdec.engine import EngineConfig, LLMEngine
+from specdec.loader import ModelLoadError, check_same_vocab, load_model, load_tokenizer
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer, ngram_lookup
+from specdec.sampling import SamplingParams
+from specdec.target import TargetWorker
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add", "import json\nimport os\nimport", "class Foo:\n    x = 1\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir, tiny_draft_dir, tiny_tok):
+    return load_model(tiny_dir), load_model(tiny_draft_dir), tiny_tok
+
+
+def make_engine(target, proposer_kind, draft=None, tok=None, k=4, adaptive=False, batch=8, speculate=True):
+    tw = TargetWorker(target, num_slots=batch, max_model_len=512)
+    prop = {"none": None, "ngram": lambda: NgramProposer(),
+            "draft": lambda: DraftModelProposer(draft, num_slots=batch, max_model_len=512)}[proposer_kind]
+    return LLMEngine(tw, prop() if prop else None, tok,
+                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
+                                  speculate=speculate))
+
+
+def greedy(n=32, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def outputs(engine, prompts, params):
+    return [s.output_ids for s in engine.generate(prompts, params)]
+
+
+def test_ngram_lookup():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert ngram_lookup([1, 2, 3, 4], 3) == []
+    assert ngram_lookup([5, 1, 7, 5, 1], 3, max_n=2) == [7, 5, 1]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identity_tiny(tiny, kind, k):
+    target, draft, tok = tiny
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    ref = outputs(make_engine(target, "none", tok=tok), prompts, greedy())
+    batched = outputs(make_engine(target, kind, draft, tok, k=k), prompts, greedy())
+    single = [outputs(make_engine(target, kind, draft, tok, k=k, batch=1), [p], greedy())[0] for p in prompts]
+    assert batched == ref
+    assert single == ref
+
+
+def test_self_draft_accepts_everything(tiny):
+    target, _, tok = tiny
+    eng = make_engine(target, "draft", load_model(target.source), tok, k=4)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    ref = outputs(make_engine(target, "none", tok=tok), prompts, greedy())
+    assert outputs(eng, prompts, greedy()) == ref
+    assert eng.stats.acceptance_rate == 1.0
+    assert eng.stats.mean_accepted_length > 4.0  # 5 per round except where max_tokens truncates
+
+
+def test_join_and_leave_mid_flight(tiny):
+    """Sequences of different lengths join while others run (batch 2 < 5 requests)."""
+    target, draft, tok = tiny
+    prompts = [tok(p).input_ids for p in PROMPTS + ["x = [1, 2, 3]\n", "for i in range(10):\n"]]
+    params = [greedy(n) for n in (5, 40, 12, 3, 25)]
+    ref = [outputs(make_engine(target, "none", tok=tok), [p], sp)[0] for p, sp in zip(prompts, params)]
+    eng = make_engine(target, "draft", draft, tok, k=3, batch=2)
+    assert outputs(eng, prompts, params) == ref
+    assert eng.target.table.num_free == 2 and eng.proposer.table.num_free == 2  # slots freed
+
+
+def test_k0_is_plain_decoding(tiny):
+    target, draft, tok = tiny
+    p = [tok(PROMPTS[0]).input_ids]
+    eng = make_engine(target, "draft", draft, tok, k=4)
+    out = outputs(eng, p, greedy(num_speculative_tokens=0))
+    assert eng.stats.proposed == 0 and eng.stats.rounds == 32
+    assert out == outputs(make_engine(target, "none", tok=tok), p, greedy())
+
+
+def test_stop_token_inside_accepted_run(tiny):
+    """A stop token id in the middle of a fully accepted run ends the output right there."""
+    target, _, tok = tiny
+    p = [tok(PROMPTS[1]).input_ids]
+    ref = outputs(make_engine(target, "none", tok=tok), p, greedy(20))[0]
+    stop_at = 6
+    eng = make_engine(target, "draft", load_model(target.source), tok, k=5)  # self-draft: all accepted
+    seq = eng.generate(p, greedy(20, stop_token_ids=[ref[stop_at]]))[0]
+    first = ref.index(ref[stop_at])
+    assert seq.output_ids == ref[: first + 1] and seq.finish_reason == "stop"
+
+
+def test_stop_string_and_max_tokens(tiny):
+    target, _, tok = tiny
+    p = [tok(PROMPTS[2]).input_ids]
+    ref_seq = make_engine(target, "none", tok=tok).generate(p, greedy(24))[0]
+    text = ref_seq.text
+    stop = text[5:8]
+    eng = make_engine(target, "draft", load_model(target.source), tok, k=5)
+    seq = eng.generate(p, greedy(24, stop=[stop]))[0]
+    assert seq.finish_reason == "stop"
+    assert seq.text == text[: text.index(stop)]
+    assert stop not in seq.text
+    seq = make_engine(target, "ngram", tok=tok, k=5).generate(p, greedy(7))[0]
+    assert seq.num_output == 7 and seq.finish_reason == "length"
+
+
+def test_streamed_deltas_reassemble_text(tiny):
+    target, draft, tok = tiny
+    eng = make_engine(target, "draft", draft, tok, k=3)
+    s = eng.add_request(tok(PROMPTS[0]).input_ids, greedy(30, stop=["zzz"]))
+    pieces = []
+    while eng.scheduler.has_work:
+        eng.step()
+        pieces.append(s.take_delta())
+    assert "".join(pieces) == s.text
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    target, draft, tok = tiny
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    sp = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    a = outputs(make_engine(target, "draft", draft, tok, k=3), prompts, sp)
+    b = outputs(make_engine(target, "draft", draft, tok, k=3, batch=1), prompts, sp)  # other batching
+    assert a == b
+    c = outputs(make_engine(target, "draft", draft, tok, k=3), prompts,
+                [SamplingParams(max_tokens=20, temperature=0.9, seed=s + 10, ignore_eos=True) for s in (1, 2, 3)])
+    assert a != c
+
+
+def test_adaptive_turns_speculation_off_for_a_useless_draft(tiny):
+    """A random draft never agrees: the adaptive policy stops proposing and probes rarely."""
+    target, draft, tok = tiny
+    eng = make_engine(target, "draft", draft, tok, k=4, adaptive=True)
+    outputs(eng, [tok(PROMPTS[0]).input_ids], greedy(64))
+    spec_fraction = eng.stats.spec_row_rounds / eng.stats.row_rounds
+    assert spec_fraction < 0.4
+
+
+def test_draft_vocab_mismatch_fails_at_load(tiny_tok, tmp_path):
+    from specdec.testing import make_tiny_checkpoint
+    other = load_tokenizer(make_tiny_checkpoint(tmp_path / "other", vocab_size=300))
+    with pytest.raises(ModelLoadError, match="vocabulary differs"):
+        check_same_vocab(tiny_tok, other)

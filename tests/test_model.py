@@ -1,0 +1,84 @@
+"""The compact runner against the transformers reference, ragged batches and cache rollback."""
+import pytest
+import torch
+
+from specdec.loader import ModelLoadError, load_hf_model, load_model, resolve
+from specdec.runner import SlotTable, run_ragged
+
+
+def _ref_logits(hf, ids):
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def test_matches_transformers_tiny(tiny_dir, tiny_tok):
+    hf, model = load_hf_model(tiny_dir), load_model(tiny_dir)
+    model.setup_cache(2, 128)
+    ids = tiny_tok("def add(a, b):\n    return a + b").input_ids
+    with torch.inference_mode():
+        logits, _ = model(torch.tensor([ids]), torch.tensor([1]), torch.tensor([0]), n_logits=len(ids))
+    assert torch.allclose(logits[0], _ref_logits(hf, ids), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_matches_transformers_demo(demo_dir, demo_model, demo_tok):
+    hf = load_hf_model(demo_dir)
+    ids = demo_tok("The capital of France is").input_ids
+    demo_model.setup_cache(1, 64)
+    with torch.inference_mode():
+        logits, _ = demo_model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), n_logits=len(ids))
+    ref = _ref_logits(hf, ids)
+    assert (logits[0] - ref).abs().max() < 1e-3
+    assert torch.equal(logits[0].argmax(-1), ref.argmax(-1))
+
+
+def test_ragged_batch_equals_single_rows(tiny_dir, tiny_tok):
+    """Rows with different lengths and positions in one forward == each row alone."""
+    model = load_model(tiny_dir)
+    model.setup_cache(4, 128)
+    prompts = [tiny_tok(t).input_ids for t in ("import os", "class Foo(object):\n    pass", "x = 1")]
+    with torch.inference_mode():
+        # prefill each row alone in slots 0..2, then one ragged step with 1, 3 and 2 new tokens
+        for s, p in enumerate(prompts):
+            run_ragged(model, [p], [s], [0], [1])
+        feeds = [[5, 6, 7][:n] for n in (1, 3, 2)]
+        batched = run_ragged(model, feeds, [0, 1, 2], [len(p) for p in prompts], [len(f) for f in feeds])
+        for s, (p, f) in enumerate(zip(prompts, feeds)):
+            alone = run_ragged(model, [p + f], [3], [0], [len(f)])[0]
+            assert torch.allclose(batched[s], alone, atol=1e-4)
+
+
+def test_rollback_is_moving_a_length(tiny_dir):
+    """Writing rejected positions then rewriting them gives the same logits as never writing."""
+    model = load_model(tiny_dir)
+    model.setup_cache(2, 64)
+    prompt = [10, 11, 12, 13]
+    with torch.inference_mode():
+        run_ragged(model, [prompt], [0], [0], [1])
+        run_ragged(model, [[20, 21, 22]], [0], [4], [3])  # speculative tokens, all "rejected"
+        after = run_ragged(model, [[30]], [0], [4], [1])[0]  # overwrite from position 4
+        ref = run_ragged(model, [prompt + [30]], [1], [0], [1])[0]
+    assert torch.allclose(after, ref, atol=1e-5)
+
+
+def test_slot_table_sync_keeps_agreeing_prefix():
+    t = SlotTable(2, 64)
+    st = t.sync(7, 0, [1, 2, 3])
+    st.tokens += [4, 5]  # tentative drafts
+    st.cached = 5
+    st = t.sync(7, 3, [4, 9])  # first draft confirmed, second replaced
+    assert st.tokens == [1, 2, 3, 4, 9] and st.cached == 4
+    assert t.sync(8, 5, [1]) is None  # unknown sequence at a nonzero offset
+    t.release(7)
+    assert t.num_free == 2
+
+
+def test_missing_model_fails_clearly(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="neither config.json nor a .gguf"):
+        resolve(tmp_path / "empty")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        resolve(tmp_path / "weights.bin")

@@ -1,0 +1,175 @@
+"""The verifier: greedy rules, and a statistical proof that sampling is lossless.
+
+The lossless test samples 200k sequences of three tokens from a context-dependent target (a
+random Markov chain: p(x_t | x_{t-1})) through speculative rounds with a deliberately different
+draft, then compares the empirical joint distribution of (x1, x2, x3) with the target's exact
+one by a chi-square test at a fixed significance. The same harness must *reject* two broken
+samplers, so the test can fail.
+"""
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.rejection_sampler import DraftProbs, greedy_verify, rejection_sample
+from specdec.sampling import apply_top_k_top_p, logits_to_probs, sample_from_probs
+
+V, N, STEPS = 6, 200_000, 3
+ALPHA = 1e-3  # significance of the chi-square tests
+
+
+def test_greedy_accepts_matching_prefix_then_target_token():
+    logits = torch.full((2, 4, 5), -10.0)
+    target = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0]])  # argmax per position
+    logits.scatter_(2, target[:, :, None], 10.0)
+    drafts = torch.tensor([[1, 2, 0], [0, 0, 0]])
+    n_acc, final = greedy_verify(logits, drafts, torch.tensor([3, 2]))
+    assert n_acc.tolist() == [2, 2]  # row 0 rejects at j=2; row 1 accepts both (only 2 proposed)
+    assert final.tolist() == [3, 0]  # recovered token / bonus token
+
+
+def test_rejection_sample_output_layout():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 2] = logits[0, 1, 1] = logits[0, 2, 3] = 5.0
+    out, n = rejection_sample(logits, torch.tensor([[2, 1]]), torch.tensor([2]), None,
+                              torch.tensor([0.0]), torch.tensor([0]), torch.tensor([1.0]), torch.zeros(1, 2, 3))
+    assert n.tolist() == [2] and out.tolist() == [[2, 1, 3]]
+
+
+def test_top_k_top_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))[0, 2:]).all()
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.7]))[0]
+    assert torch.isfinite(kept[:2]).all() and torch.isinf(kept[2:]).all()  # 0.5 + 0.3 reaches 0.7
+
+
+def test_inverse_cdf_sampling_never_picks_zero_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).repeat(1000, 1)
+    idx = sample_from_probs(probs, torch.rand(1000))
+    assert set(idx.tolist()) <= {1, 3}
+
+
+# ---- statistical losslessness ------------------------------------------------------------------
+
+def _chain(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g) * 1.5  # logits of x_t given x_{t-1}
+
+
+def _speculate(P, Q, temp, top_k, top_p, k, broken=None, seed=0):
+    """Generate STEPS tokens for N sequences (context x0 = 0) with speculative rounds."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((N, STEPS), -1, dtype=torch.long)
+    length = torch.zeros(N, dtype=torch.long)
+    last = torch.zeros(N, dtype=torch.long)
+    T = torch.full((N,), temp)
+    TK, TP = torch.full((N,), top_k, dtype=torch.long), torch.full((N,), top_p)
+    while bool((length < STEPS).any()):
+        rows = (length < STEPS).nonzero().squeeze(1)
+        B = len(rows)
+        u = torch.rand(B, 3, k + 1, generator=g, dtype=torch.float64)
+        # draft: k autoregressive samples from Q (with the same temperature), q kept exactly
+        ctx, drafts, qs = last[rows], [], []
+        for j in range(k):
+            q = logits_to_probs(Q[ctx], T[rows], TK[rows] * 0, TP[rows] * 0 + 1)  # draft ignores top-k/p
+            x = sample_from_probs(q, u[:, 0, j])
+            drafts.append(x)
+            qs.append(q)
+            ctx = x
+        drafts = torch.stack(drafts, 1)  # [B, k]
+        q = torch.stack(qs, 1)  # [B, k, V]
+        # target logits at each position given the draft prefix: [B, k+1, V]
+        ctxs = torch.cat([last[rows, None], drafts], 1)
+        tlogits = P[ctxs]
+        if broken is None:
+            toks, n_acc = rejection_sample(tlogits, drafts, torch.full((B,), k), DraftProbs(
+                torch.arange(V).expand(B, k, V), q), T[rows], TK[rows], TP[rows], u[:, 1:])
+        else:
+            toks, n_acc = broken(tlogits, drafts, q, T[rows], TK[rows], TP[rows], u)
+        for r in range(k + 1):  # append emitted tokens, up to STEPS
+            tok = toks[:, r]
+            ok = (tok >= 0) & (length[rows] < STEPS)
+            idx = rows[ok]
+            out[idx, length[idx]] = tok[ok]
+            length[idx] += 1
+            last[idx] = tok[ok]
+    return out
+
+
+def _exact_joint(P, temp, top_k, top_p):
+    p = logits_to_probs(P, torch.full((V,), temp), torch.full((V,), top_k, dtype=torch.long),
+                        torch.full((V,), top_p))  # [V, V] rows: context
+    joint = p[0][:, None, None] * p[:, :, None] * p[None, :, :]  # p(a|0) p(b|a) p(c|b)
+    return joint.flatten().double()
+
+
+def _pvalue(samples, exact):
+    codes = samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2]
+    counts = torch.bincount(codes, minlength=V ** 3).double()
+    keep = exact * N > 5  # chi-square needs expected counts >= 5; pool the rest
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([exact[keep] * N, (exact[~keep].sum() * N)[None]])
+    if exp[-1] < 5:  # merge a tiny pooled cell into the largest
+        obs, exp = obs[:-1], exp[:-1]
+        obs[obs.argmax()] += counts[~keep].sum()
+    exp = exp * obs.sum() / exp.sum()
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+CASES = [  # temperature, top_k, top_p, k
+    (1.0, 0, 1.0, 2),
+    (0.7, 0, 1.0, 3),
+    (1.3, 3, 1.0, 2),
+    (1.0, 0, 0.8, 3),
+    (0.8, 4, 0.9, 1),
+]
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,k", CASES)
+def test_sampling_is_lossless(temp, top_k, top_p, k):
+    P, Q = _chain(1), _chain(2)  # the draft is a different chain
+    samples = _speculate(P, Q, temp, top_k, top_p, k, seed=hash((temp, top_k, top_p, k)) % 1000)
+    assert (samples >= 0).all()
+    assert _pvalue(samples, _exact_joint(P, temp, top_k, top_p)) > ALPHA
+
+
+def _blog_rule(tlogits, drafts, q, T, TK, TP, u):
+    """The widely copied bug: accept with min(1, p(draft)/p(sampled)) using the target's own
+    sample instead of q, then emit the target's sample on rejection."""
+    B, k = drafts.shape
+    p = logits_to_probs(tlogits.reshape(-1, V), T.repeat_interleave(k + 1), TK.repeat_interleave(k + 1),
+                        TP.repeat_interleave(k + 1)).view(B, k + 1, V)
+    sampled = torch.stack([sample_from_probs(p[:, j], u[:, 2, j]) for j in range(k + 1)], 1)
+    pd = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
+    ps = p[:, :k].gather(2, sampled[:, :k, None]).squeeze(2)
+    acc = (u[:, 1, :k] < (pd / ps).clamp(max=1)).long().cumprod(1)
+    n = acc.sum(1)
+    out = torch.full((B, k + 1), -1, dtype=torch.long)
+    for b in range(B):
+        m = int(n[b])
+        out[b, :m] = drafts[b, :m]
+        out[b, m] = sampled[b, m]
+    return out, n
+
+
+def _no_residual(tlogits, drafts, q, T, TK, TP, u):
+    """Correct acceptance test, but the recovered token sampled from p instead of max(0, p - q)."""
+    B, k = drafts.shape
+    p = logits_to_probs(tlogits.reshape(-1, V), T.repeat_interleave(k + 1), TK.repeat_interleave(k + 1),
+                        TP.repeat_interleave(k + 1)).view(B, k + 1, V)
+    pd = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
+    qd = q.gather(2, drafts[:, :, None]).squeeze(2)
+    n = (u[:, 1, :k] * qd < pd).long().cumprod(1).sum(1)
+    rows = torch.arange(B)
+    final = sample_from_probs(p[rows, n], u[rows, 2, n])
+    out = torch.where(torch.arange(k + 1)[None] < n[:, None], torch.cat([drafts, drafts[:, :1]], 1), -1)
+    out[rows, n] = final
+    return out, n
+
+
+@pytest.mark.parametrize("broken", [_no_residual, _blog_rule])
+def test_harness_detects_broken_samplers(broken):
+    P, Q = _chain(1), _chain(2)
+    samples = _speculate(P, Q, 1.0, 0, 1.0, 2, broken=broken, seed=5)
+    assert _pvalue(samples, _exact_joint(P, 1.0, 0, 1.0)) < ALPHA
