@@ -41,6 +41,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     generator: torch.Generator | None = None
+    meta: dict = field(default_factory=dict)  # caller's data (e.g. the request's trace context)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

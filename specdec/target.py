@@ -40,7 +40,10 @@ class TargetWorker:
         B = len(batch)
         rows, states, unknown = [], [], []
         for i in range(B):
-            st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+            try:
+                st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+            except CacheFullError:  # no free slot now: the row waits (reported unknown, resent later)
+                st = None
             if st is None or not st.tokens:
                 unknown.append(i)
             else:

@@ -22,7 +22,7 @@ from torch import Tensor
 from specdec.metadata import U_DRAFT, DraftOutput, SpecBatch
 from specdec.proposers.base import Proposer, register
 from specdec.rejection_sampler import DraftProbs
-from specdec.runner import SlotTable, run_ragged
+from specdec.runner import CacheFullError, SlotTable, run_ragged
 from specdec.sampling import logits_to_probs, sample_from_probs
 
 
@@ -78,7 +78,10 @@ class DraftModelProposer(Proposer):
         q_vals = torch.zeros(B, K, J)
         num, unknown, states = [0] * B, [], {}
         for i in range(B):
-            st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+            try:
+                st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+            except CacheFullError:  # no free slot: no drafts for this row until one frees
+                st = None
             if st is None or not st.tokens:
                 unknown.append(i)
             elif batch.num_draft[i] > 0:

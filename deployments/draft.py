@@ -1,0 +1,75 @@
+"""Draft deployment: replicas hold a proposer (a draft model, the target's first layers, or
+n-gram lookup) and the draft KV caches of the sequences routed to them. One call per round
+proposes k tokens for a whole batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from deployments.common import RateWindow, replica_id, set_torch_threads
+from specdec.loader import parse_dtype
+from specdec.metadata import DraftOutput, SpecBatch
+from specdec.proposers import build_proposer
+
+log = logging.getLogger("ray.serve")
+
+
+class DraftConfig(BaseModel):
+    """Configuration of the Draft deployment."""
+
+    proposer: Literal["ngram", "draft", "self"] = Field("ngram", description="Which proposer the replicas run.")
+    draft: str | None = Field(None, description="Draft checkpoint (proposer='draft').")
+    target: str | None = Field(None, description="Target checkpoint (proposer='self' uses its first layers).")
+    self_draft_layers: int = Field(4, ge=1, description="Layers of the target used as a self-draft.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Draft dtype.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the draft runs.")
+    num_slots: int = Field(16, ge=1, description="Draft KV-cache slots per replica.")
+    max_model_len: int = Field(2048, ge=16, description="Longest sequence in tokens.")
+    num_threads: int = Field(0, ge=0, description="torch threads (0: all cores).")
+    top_j: int = Field(32, ge=1, description="Sampled rows draw drafts from the top-j truncation of q.")
+    ngram_min: int = Field(1, ge=1, description="Shortest n-gram matched by prompt lookup.")
+    ngram_max: int = Field(3, ge=1, description="Longest n-gram matched by prompt lookup.")
+
+
+class DraftDeployment:
+    """Serve deployment class (decorated by the builder)."""
+
+    def __init__(self, config: dict):
+        self.cfg = DraftConfig(**config)
+        set_torch_threads(self.cfg.num_threads)
+        c = self.cfg
+        self.proposer = build_proposer(
+            c.proposer, draft=c.draft, target=c.target, self_draft_layers=c.self_draft_layers,
+            dtype=parse_dtype(c.dtype), device=c.device, num_slots=c.num_slots, max_model_len=c.max_model_len,
+            top_j=c.top_j, ngram_min=c.ngram_min, ngram_max=c.ngram_max)
+        self.lock = threading.Lock()
+        self.proposed = RateWindow()
+        self.id = replica_id()
+        log.info("draft replica %s ready (%s)", self.id, c.proposer)
+
+    def propose(self, batch: SpecBatch, pin: str | None = None) -> tuple[str, DraftOutput]:
+        """Drafts for a batch; `pin` is read by the affinity request router only."""
+        from deployments.tracing import span
+        with self.lock, span("draft.propose", batch.trace_context, rows=len(batch), k=batch.max_draft) as sp:
+            t0 = time.perf_counter()
+            out = self.proposer.propose(batch)
+            n = sum(out.num_draft)
+            self.proposed.add(n, time.perf_counter() - t0)
+            sp.set(proposed=n, unknown=len(out.unknown))
+        return self.id, out
+
+    def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        with self.lock:
+            self.proposer.release(seq_ids)
+
+    def stats(self) -> dict:
+        return {"replica": self.id, "pid": os.getpid(), "proposer": self.cfg.proposer}
+
+    def record_autoscaling_stats(self) -> dict:
+        return {"draft_tokens_per_s": self.proposed.rate(), "busy_fraction": self.proposed.busy_fraction()}

@@ -1,0 +1,338 @@
+"""Router: the batching core of the ingress. Runs the engine's speculative rounds against the
+Draft and Target deployment handles.
+
+Requests become sequences in a bounded queue. Sequences run in *lanes*: a lane is one running
+batch (up to `max_batch_size`) pinned to one draft replica and one target replica (the replicas
+that hold its KV caches, see deployments/affinity.py). Each lane loops over rounds
+
+    plan = scheduler.plan()                                  # admit, k per row, uniforms
+    draft = await draft.propose(plan.draft_batch, pin=...)   # one call for the whole batch
+    verify = await target.verify(target_batch, draft, pin=...)
+    scheduler.commit(...)                                    # append + stops, wake consumers
+
+and sequences join and leave between rounds. A new lane opens when every lane is full (its first
+call goes unpinned, so it lands on the least-loaded replica: scale-out is used). Failures:
+a failing draft call makes the lane run plain rounds for a while (output unchanged: greedy is
+lossless either way); a failing target call is retried on another replica, which re-prefills
+the lane's sequences from the router's copy of their tokens, until `retry_deadline_s`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from deployments.common import RateWindow, replica_id
+from deployments.tracing import inject, span
+from specdec.loader import load_tokenizer
+from specdec.metadata import DraftOutput
+from specdec.sampling import SamplingParams
+from specdec.scheduler import Scheduler, SchedulerConfig
+from specdec.sequence import Sequence
+from specdec.stats import SpecStats
+
+log = logging.getLogger("ray.serve")
+
+
+class RouterConfig(BaseModel):
+    """Configuration of the Router (ingress) deployment. Fields marked runtime can also change
+    through the deployment's `user_config` without a restart."""
+
+    tokenizer: str = Field(description="Checkpoint whose tokenizer the router uses (the target's).")
+    model_name: str = Field("specdec", description="Model id served in the OpenAI API.")
+    max_batch_size: int = Field(8, ge=1, description="Sequences per lane (runtime).")
+    batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before a new lane's first round (runtime).")
+    max_lanes: int = Field(4, ge=1, description="Concurrent running batches per router replica.")
+    max_queued_sequences: int = Field(256, ge=0, description="Waiting sequences beyond which requests get 503 + Retry-After.")
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: cap of the adaptive k and of per-request k (runtime).")
+    adaptive: bool = Field(True, description="Adapt k per sequence to its acceptance (runtime).")
+    speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
+    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output).")
+    retry_deadline_s: float = Field(60.0, gt=0, description="How long a lane retries a failing target before failing its requests.")
+    draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
+
+
+class RequestFailed(Exception):
+    """A sequence could not be finished; `status` is the HTTP status to report."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+class Overloaded(RequestFailed):
+    def __init__(self, message: str = "server overloaded: too many queued requests", retry_after: int = 1):
+        super().__init__(message, 503)
+        self.retry_after = retry_after
+
+
+@dataclass
+class Lane:
+    scheduler: Scheduler
+    target_pin: str | None = None
+    draft_pin: str | None = None
+    draft_down_until: float = 0.0
+    pending_draft_release: list[int] = field(default_factory=list)
+    task: asyncio.Task | None = None
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+
+class SpecRouter:
+    """Deployment class (the builder adds the HTTP layer and Serve options)."""
+
+    def __init__(self, config: dict, draft_handle, target_handle):
+        self.cfg = RouterConfig(**config)
+        self.tokenizer = load_tokenizer(self.cfg.tokenizer)
+        from specdec.engine import _eos_ids
+        self.eos_ids = _eos_ids(self.tokenizer)
+        self.draft, self.target = draft_handle, target_handle
+        self.queue: deque[Sequence] = deque()
+        self.lanes: list[Lane] = []
+        self.events: dict[int, asyncio.Event] = {}
+        self.errors: dict[int, RequestFailed] = {}
+        self.stats = SpecStats()
+        self.tokens_rate = RateWindow()
+        self.draft_rate = RateWindow()
+        self.accepted_rate = RateWindow()
+        self.metrics = self._make_metrics()
+        self.id = replica_id()
+
+    def _make_metrics(self):
+        try:
+            from deployments.metrics import RouterMetrics
+            return RouterMetrics()
+        except Exception as e:  # noqa: BLE001 - metrics are optional outside a cluster
+            log.warning("router metrics disabled: %s", e)
+            return None
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Runtime knobs from the deployment's user_config."""
+        allowed = {"max_batch_size", "batch_wait_timeout_s", "num_speculative_tokens", "adaptive",
+                   "max_queued_sequences"}
+        unknown = set(user_config) - allowed
+        if unknown:
+            raise ValueError(f"unknown user_config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        self.cfg = self.cfg.model_copy(update=user_config)
+        RouterConfig.model_validate(self.cfg.model_dump())
+        for lane in self.lanes:
+            lane.scheduler.cfg = self._sched_cfg()
+
+    def _sched_cfg(self) -> SchedulerConfig:
+        c = self.cfg
+        return SchedulerConfig(max_batch_size=c.max_batch_size, max_model_len=c.max_model_len,
+                               k_max=c.num_speculative_tokens, speculate=c.speculate and self.draft is not None,
+                               adaptive=c.adaptive)
+
+    # ---- request side -------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[Sequence]:
+        """Queue one sequence per params entry (n samples of one prompt). Raises Overloaded."""
+        if len(self.queue) + len(params) > self.cfg.max_queued_sequences:
+            raise Overloaded()
+        seqs = [Sequence(list(prompt_ids), p, frozenset(self.eos_ids)) for p in params]
+        for s in seqs:
+            self.events[s.seq_id] = asyncio.Event()
+            self.queue.append(s)
+            if self.metrics:
+                self.metrics.record_request_start()
+        self._spawn_lanes()
+        return seqs
+
+    async def wait(self, seq: Sequence) -> None:
+        """Block until `seq` changes; raises RequestFailed if its lane failed it."""
+        ev = self.events.get(seq.seq_id)
+        if ev is not None and not seq.finished:
+            await ev.wait()
+            ev.clear()
+        err = self.errors.pop(seq.seq_id, None)
+        if err is not None:
+            raise err
+
+    def finish(self, seq: Sequence) -> None:
+        """Consumer is done with `seq` (finished, failed or disconnected): free everything."""
+        if not seq.finished:
+            seq.abort()
+            try:
+                self.queue.remove(seq)
+            except ValueError:
+                for lane in self.lanes:
+                    if lane.scheduler.abort(seq.seq_id):
+                        break
+        self.events.pop(seq.seq_id, None)
+        self.errors.pop(seq.seq_id, None)
+        if self.metrics:
+            self.metrics.record_request_end(seq.finish_reason or "abort", seq.prompt_len, seq.num_output)
+
+    # ---- lanes --------------------------------------------------------------------------------
+    def _spawn_lanes(self) -> None:
+        for lane in self.lanes:
+            self._fill(lane)
+        while self.queue and len(self.lanes) < self.cfg.max_lanes:
+            lane = Lane(Scheduler(self._sched_cfg(), self.tokenizer, self.eos_ids,
+                                  proposer_has_model=True))
+            self.lanes.append(lane)
+            self._fill(lane)
+            lane.task = asyncio.get_running_loop().create_task(self._run_lane(lane))
+
+    def _fill(self, lane: Lane) -> None:
+        while self.queue and lane.load < self.cfg.max_batch_size:
+            lane.scheduler.add(self.queue.popleft())
+
+    async def _run_lane(self, lane: Lane) -> None:
+        try:
+            if self.cfg.batch_wait_timeout_s:
+                await asyncio.sleep(self.cfg.batch_wait_timeout_s)  # let a burst arrive together
+            while True:
+                self._fill(lane)
+                if not lane.scheduler.has_work:
+                    break
+                await self._round(lane)
+        except Exception as e:  # noqa: BLE001 - fail this lane's sequences, keep the replica
+            log.exception("lane failed")
+            self._fail_lane(lane, RequestFailed(f"internal error: {e}", 500))
+        finally:
+            self.lanes.remove(lane)
+            await self._flush_releases(lane)
+            if self.queue:
+                self._spawn_lanes()
+
+    def _fail_lane(self, lane: Lane, err: RequestFailed) -> None:
+        for s in list(lane.scheduler.running) + list(lane.scheduler.waiting):
+            lane.scheduler.abort(s.seq_id)
+            self.errors[s.seq_id] = err
+            self._notify(s)
+
+    def _notify(self, seq: Sequence) -> None:
+        ev = self.events.get(seq.seq_id)
+        if ev is not None:
+            ev.set()
+
+    async def _flush_releases(self, lane: Lane) -> None:
+        ids = lane.scheduler.take_releases()
+        calls = []
+        if ids:
+            calls.append(self.target.release.remote(ids, pin=lane.target_pin))
+        dids = lane.pending_draft_release + ids
+        if dids and self.draft is not None and lane.draft_pin:
+            calls.append(self.draft.release.remote(dids, pin=lane.draft_pin))
+        for c in calls:
+            try:
+                await c
+            except Exception as e:  # noqa: BLE001 - a dead replica has nothing to free
+                log.warning("release failed: %s", e)
+
+    async def _round(self, lane: Lane) -> None:
+        sched = lane.scheduler
+        t0 = time.perf_counter()
+        plan = sched.plan()
+        if plan is None:
+            return
+        batch = plan.draft_batch
+        ctxs = [s.meta.get("trace_ctx") for s in plan.seqs]
+        with span("router.round", parent=ctxs[0], links=ctxs[1:], batch_size=len(batch),
+                  k_max=batch.max_draft, request_ids=",".join(str(s.meta.get("request_id", s.seq_id))
+                                                              for s in plan.seqs)) as sp:
+            batch.trace_context = inject()
+            draft, drafted = await self._propose(lane, batch)
+            t1 = time.perf_counter()
+            verify = await self._verify(lane, plan, draft)
+            t2 = time.perf_counter()
+            if verify is None:
+                return
+            sched.commit(plan, draft, verify, t1 - t0, t2 - t1, 0.0, drafted)
+            t3 = time.perf_counter()
+            sched.stats.round_time += t3 - t0
+            emitted = [len(t) for t in verify.tokens]
+            sp.set(proposed=sum(draft.num_draft), accepted=sum(verify.num_accepted), emitted=sum(emitted),
+                   bonus=sum(1 for n, m in zip(draft.num_draft, verify.num_accepted) if n and m == n))
+        self._account(plan, draft, verify, emitted, t1 - t0, t2 - t1, t3 - t0)
+        for s in plan.seqs:
+            self._notify(s)
+
+    def _account(self, plan, draft, verify, emitted, draft_s, target_s, round_s) -> None:
+        self.tokens_rate.add(sum(emitted))
+        self.draft_rate.add(sum(draft.num_draft))
+        self.accepted_rate.add(sum(verify.num_accepted))
+        for k, m, e in zip(draft.num_draft, verify.num_accepted, emitted):
+            self.stats.observe_row(k, m, e)
+        self.stats.observe_round(len(plan.seqs), draft_s, target_s, round_s)
+        if self.metrics:
+            self.metrics.record_round(len(plan.seqs), list(draft.num_draft), list(verify.num_accepted), emitted,
+                                      draft_s, target_s, round_s)
+            for s, e in zip(plan.seqs, emitted):
+                if e and s.first_token_time is not None and s.num_output == e:
+                    self.metrics.record_first_token(s.first_token_time - s.arrival)
+                elif e:
+                    self.metrics.record_inter_token(round_s / e)
+
+    async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
+        if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:
+            return DraftOutput.empty(len(batch)), False
+        batch.release = lane.pending_draft_release + list(batch.release)
+        lane.pending_draft_release = []
+        try:
+            rid, out = await self.draft.propose.remote(batch, pin=lane.draft_pin)
+            lane.draft_pin = rid
+            return out, True
+        except Exception as e:  # noqa: BLE001 - draft loss only costs speed: run a plain round
+            log.warning("draft call failed (%s); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
+            lane.draft_pin = None
+            lane.draft_down_until = time.monotonic() + self.cfg.draft_backoff_s
+            for s in lane.scheduler.running:
+                s.draft_offset = 0  # whichever replica serves next must get the full context
+            return DraftOutput.empty(len(batch)), False
+
+    async def _verify(self, lane: Lane, plan, draft: DraftOutput):
+        from ray.exceptions import RayActorError
+        try:
+            from ray.exceptions import ActorUnavailableError
+        except ImportError:  # pragma: no cover
+            ActorUnavailableError = RayActorError
+        deadline = time.monotonic() + self.cfg.retry_deadline_s
+        release = list(plan.draft_batch.release)
+        backoff = 0.2
+        while True:
+            tb = lane.scheduler.target_batch(plan, draft)
+            tb.release = release
+            try:
+                rid, out = await self.target.verify.remote(tb, draft, pin=lane.target_pin)
+                lane.target_pin = rid
+                return out
+            except (RayActorError, ActorUnavailableError) as e:
+                if time.monotonic() > deadline:
+                    self._fail_lane(lane, RequestFailed(f"target unavailable: {e}", 503))
+                    return None
+                log.warning("target replica lost (%s); re-prefilling the lane elsewhere", e)
+                lane.target_pin = None
+                for s in plan.seqs:
+                    s.target_offset = 0
+                release = []
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def engine_stats(self) -> dict:
+        d = self.stats.to_dict()
+        d.update(lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
+                 running=sum(len(l.scheduler.running) for l in self.lanes))
+        return d
+
+    def record_autoscaling_stats(self) -> dict:
+        running = [s for l in self.lanes for s in l.scheduler.running]
+        spec_on = sum(1 for s in running if s.adaptive and s.adaptive.off_rounds == 0)
+        return {
+            "ongoing_requests": float(len(running) + len(self.queue)),
+            "queued_requests": float(len(self.queue)),
+            "tokens_per_s": self.tokens_rate.rate(),
+            "acceptance_rate": self.accepted_rate.rate() / max(self.draft_rate.rate(), 1e-9)
+            if self.draft_rate.rate() else self.stats.acceptance_rate,
+            "speculating_fraction": spec_on / len(running) if running else 0.0,
+            "draft_tokens_per_s": self.draft_rate.rate(),
+        }

@@ -1,0 +1,186 @@
+"""Target deployment: each replica is a tensor-parallel group of `tp` ranks.
+
+The replica actor is rank 0. It reserves one placement-group bundle per rank (set by the builder
+with STRICT_PACK), starts `tp - 1` `TPWorker` actors in the other bundles, and all ranks form a
+torch.distributed group (gloo on CPU, NCCL on GPU). Every rank loads the model and keeps its
+Megatron shard (`specdec.tp.apply_tp`). A verify call runs the same forward on every rank
+(rank 0 sends the inputs to the workers), and only rank 0 samples and keeps sequence state.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Literal
+
+import ray
+import torch
+from pydantic import BaseModel, Field
+
+from deployments.common import RateWindow, replica_id, set_torch_threads
+from specdec.loader import load_model, parse_dtype
+from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
+from specdec.target import TargetWorker
+from specdec.tp import apply_tp
+
+log = logging.getLogger("ray.serve")
+
+
+class TargetConfig(BaseModel):
+    """Configuration of the Target deployment."""
+
+    model: str = Field(description="Target checkpoint: HF directory, .gguf file, or 'smollm2'.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/activations dtype.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where each rank runs.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree: ranks (bundles) per replica.")
+    num_slots: int = Field(16, ge=1, description="KV-cache slots (concurrent sequences) per replica.")
+    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output) in tokens.")
+    num_threads: int = Field(0, ge=0, description="torch threads per rank (0: all cores).")
+    return_hidden: bool = Field(False, description="Return hidden states of emitted positions (EAGLE drafts).")
+    worker_cpus: float = Field(0.5, gt=0, description="CPUs each TP worker actor asks for (its bundle's share).")
+    worker_gpus: float = Field(0, ge=0, description="GPUs each TP worker actor asks for.")
+
+
+def _load_rank(cfg: TargetConfig, rank: int, world: int):
+    set_torch_threads(cfg.num_threads)
+    device = f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu"
+    model = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=device)
+    return apply_tp(model, rank, world)
+
+
+def _init_dist(backend: str, addr: str, port: int, rank: int, world: int) -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+
+
+@ray.remote
+class TPWorker:
+    """Rank r > 0 of a target replica: holds a shard and mirrors rank 0's forward calls."""
+
+    def __init__(self, cfg: dict, rank: int, world: int):
+        self.cfg, self.rank, self.world = TargetConfig(**cfg), rank, world
+        self.model = None
+
+    def init(self, backend: str, addr: str, port: int) -> int:
+        _init_dist(backend, addr, port, self.rank, self.world)
+        self.model = _load_rank(self.cfg, self.rank, self.world)
+        return os.getpid()
+
+    def setup_cache(self, num_slots: int, max_len: int) -> None:
+        self.model.setup_cache(num_slots, max_len)
+
+    def forward(self, tokens, slots, starts, last, n_logits, trace_carrier=None):
+        from deployments.tracing import span
+        with span("tp_worker.forward", trace_carrier, rank=self.rank, rows=int(tokens.shape[0])):
+            with torch.inference_mode():
+                self.model(tokens, slots, starts, last, n_logits)
+        return True
+
+    def ping(self) -> tuple[int, int]:
+        return self.rank, os.getpid()
+
+
+class TPGroupModel:
+    """Rank 0's view of the group: calling it runs the forward on every rank, returns rank 0's."""
+
+    def __init__(self, model, workers: list):
+        self.model, self.workers = model, workers
+        self.args = model.args
+        self.trace_carrier = None
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def setup_cache(self, num_slots: int, max_len: int) -> None:
+        refs = [w.setup_cache.remote(num_slots, max_len) for w in self.workers]
+        self.model.setup_cache(num_slots, max_len)
+        ray.get(refs)
+
+    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1):
+        cpu = [t.cpu() if torch.is_tensor(t) else t for t in (tokens, slots, starts, last)]
+        refs = [w.forward.remote(*cpu, n_logits, self.trace_carrier) for w in self.workers]
+        out = self.model(tokens, slots, starts, last, n_logits)
+        ray.get(refs)  # surfaces a dead worker as an exception
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TargetDeployment:
+    """Serve deployment class (decorated by the builder): verify rounds for the router."""
+
+    def __init__(self, config: dict):
+        self.cfg = TargetConfig(**config)
+        set_torch_threads(self.cfg.num_threads)
+        self.workers = self._start_workers() if self.cfg.tp > 1 else []
+        model = _load_rank(self.cfg, 0, self.cfg.tp)
+        if self.workers:
+            model = TPGroupModel(model, self.workers)
+        self.worker = TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden)
+        self.lock = threading.Lock()
+        self.tokens = RateWindow()
+        self.id = replica_id()
+        log.info("target replica %s ready (tp=%d, %s)", self.id, self.cfg.tp, self.cfg.dtype)
+
+    def _start_workers(self) -> list:
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = get_current_placement_group()
+        world = self.cfg.tp
+        workers = []
+        for rank in range(1, world):
+            strategy = (PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
+                        if pg is not None else None)
+            workers.append(TPWorker.options(num_cpus=self.cfg.worker_cpus, num_gpus=self.cfg.worker_gpus,
+                                            scheduling_strategy=strategy).remote(self.cfg.model_dump(), rank, world))
+        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
+        addr, port = ray.util.get_node_ip_address(), _free_port()
+        refs = [w.init.remote(backend, addr, port) for w in workers]
+        _init_dist(backend, addr, port, 0, world)  # joins the workers' rendezvous
+        ray.get(refs)
+        return workers
+
+    def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None) -> tuple[str, VerifyOutput]:
+        """One round for a batch; `pin` is read by the affinity request router only."""
+        from deployments.tracing import span
+        with self.lock, span("target.verify", batch.trace_context, rows=len(batch), tp=self.cfg.tp) as sp:
+            if self.workers:
+                from deployments.tracing import inject
+                self.worker.model.trace_carrier = inject()
+            t0 = time.perf_counter()
+            out = self.worker.verify(batch, draft)
+            n = sum(len(t) for t in out.tokens)
+            self.tokens.add(n, time.perf_counter() - t0)
+            sp.set(emitted=n, accepted=sum(out.num_accepted), unknown=len(out.unknown))
+        return self.id, out
+
+    def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        with self.lock:
+            self.worker.release(seq_ids)
+
+    def stats(self) -> dict:
+        return {"replica": self.id, "active_sequences": len(self.worker.table),
+                "free_slots": self.worker.table.num_free, "pid": os.getpid(),
+                "tp_worker_pids": [pid for _, pid in ray.get([w.ping.remote() for w in self.workers])]}
+
+    def worker_handles(self) -> list:
+        """The TP worker actors (for fault-injection tests and debugging)."""
+        return list(self.workers)
+
+    def check_health(self) -> None:
+        """Fail (so Serve replaces this replica) when a tensor-parallel worker is gone."""
+        if self.workers:
+            ray.get([w.ping.remote() for w in self.workers], timeout=10)
+
+    def record_autoscaling_stats(self) -> dict:
+        return {"tokens_per_s": self.tokens.rate(), "active_sequences": float(len(self.worker.table)),
+                "busy_fraction": self.tokens.busy_fraction()}

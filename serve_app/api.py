@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP API on top of the router (the application's ingress).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
+GET /health, GET /stats (the router's speculation statistics). Every error is OpenAI's error
+body with a 4xx/5xx status; overload answers 503 with Retry-After. Bodies are read up to
+`api.max_body_bytes` (413 beyond). Optional Bearer-token auth compares keys in constant time.
+Request logs carry ids, sizes and timings, never prompts or keys (SPECDEC_DEBUG_LOG_PROMPTS=1
+adds prompts for debugging).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import AsyncIterator
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from deployments.router import Overloaded, RequestFailed, SpecRouter
+from serve_app import constants
+from serve_app.args import ApiConfig
+from serve_app.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, SpeculativeUsage,
+                                Usage, chat_chunk, chat_response, chat_usage_chunk, completion_chunk,
+                                completion_response, completion_usage_chunk, model_list, new_chat_completion_id,
+                                new_completion_id, now, parse_request, sse, to_sampling_params, validate_limits)
+from specdec.prompts import encode_chat, encode_text
+from specdec.sequence import Sequence
+
+log = logging.getLogger("ray.serve")
+
+
+class OpenAIRouter(SpecRouter):
+    """Router deployment with the HTTP API (the builder wraps it with serve.deployment)."""
+
+    def __init__(self, router_config: dict, api_config: dict, draft_handle, target_handle):
+        super().__init__(router_config, draft_handle, target_handle)
+        self.api = ApiConfig(**api_config)
+        self.api_keys = [k.encode() for k in constants.load_api_keys()]
+        if self.api.require_api_key and not self.api_keys:
+            raise ValueError(f"require_api_key is set but no keys in ${constants.API_KEYS_ENV} "
+                             f"or ${constants.API_KEYS_FILE_ENV}")
+        self.vocab_size = len(self.tokenizer)
+        self.routes = {
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/stats"): self._stats,
+        }
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        path = request.url.path.rstrip("/") or "/"
+        handler = self.routes.get((request.method, path))
+        status = 500
+        try:
+            if handler is None:
+                known = {p for _, p in self.routes}
+                if path in known:
+                    raise APIError(f"Method {request.method} not allowed for {path}.", status=405)
+                raise APIError(f"Unknown route {request.method} {path}.", status=404, code="not_found")
+            if path != "/health":
+                self._authorize(request)
+            response = await handler(request)
+            status = response.status_code
+            return response
+        except APIError as e:
+            status = e.status
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers or _retry_after(e))
+        except Overloaded as e:
+            status = 503
+            err = APIError(str(e), status=503, code="overloaded")
+            return JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(e.retry_after)})
+        except RequestFailed as e:
+            status = e.status
+            return JSONResponse(APIError(str(e), status=e.status).body(), status_code=e.status)
+        except (ClientDisconnect, asyncio.CancelledError):
+            status = 499
+            raise
+        except Exception:  # noqa: BLE001 - never let one request take the replica down
+            log.exception("unhandled error on %s", path)
+            return JSONResponse(APIError("Internal server error.", status=500).body(), status_code=500)
+        finally:
+            log.info("%s %s -> %s in %.1f ms", request.method, path, status, (time.perf_counter() - t0) * 1e3)
+
+    def _authorize(self, request: Request) -> None:
+        if not self.api.require_api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+        ok = False
+        for key in self.api_keys:  # compare with every key, in constant time each
+            ok |= hmac.compare_digest(token, key)
+        if not ok:
+            raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           status=401, type="invalid_request_error", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.api.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(f"Request body too large: limit is {limit} bytes.", status=413, code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(f"Request body too large: limit is {limit} bytes.", status=413,
+                               code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # ---- simple routes ---------------------------------------------------------------------------
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse(model_list([self.cfg.model_name], max_model_len=self.cfg.max_model_len).model_dump())
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "lanes": len(self.lanes), "queued": len(self.queue)})
+
+    async def _stats(self, request: Request) -> Response:
+        return JSONResponse(self.engine_stats())
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.cfg.model_name:
+            raise APIError(f"The model '{model}' does not exist; this server serves '{self.cfg.model_name}'.",
+                           status=404, param="model", code="model_not_found")
+
+    def _prepare(self, req, prompts: list[list[int]], param: str):
+        """Sampling params per choice, after the context-window checks."""
+        validate_limits(req, max_n=self.api.max_n, max_stop=self.api.max_stop,
+                        max_stop_len=self.api.max_stop_len, max_tokens_limit=self.api.max_tokens_limit)
+        longest = max(len(p) for p in prompts)
+        room = self.cfg.max_model_len - longest
+        if room < 1:
+            raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; "
+                           f"the prompt has {longest}.", param=param, code="context_length_exceeded")
+        default = 16 if isinstance(req, CompletionRequest) else self.api.default_max_tokens
+        base = to_sampling_params(req, default_max_tokens=min(default, room))
+        if base.max_tokens > room:
+            raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; you "
+                           f"requested {longest + base.max_tokens} ({longest} in the prompt, {base.max_tokens} "
+                           f"in the completion).", param=req.max_tokens_param, code="context_length_exceeded")
+        params = []
+        for i in range(req.num_choices):
+            p = to_sampling_params(req, default_max_tokens=min(default, room))
+            if p.seed is not None:
+                p.seed = p.seed + i  # distinct, reproducible samples per choice
+            params.append(p)
+        return params
+
+    def _encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = encode_text(self.tokenizer, prompt)
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise APIError(f"Invalid 'prompt': token ids must be in [0, {self.vocab_size}).", param="prompt")
+        if not ids:
+            raise APIError("Invalid 'prompt': it encodes to no tokens.", param="prompt")
+        return ids
+
+    async def _completions(self, request: Request) -> Response:
+        req = parse_request(CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        prompts = [self._encode_prompt(p) for p in req.prompts()]
+        params = self._prepare(req, prompts, "prompt")
+        return await self._run(request, req, prompts, params, chat=False)
+
+    async def _chat(self, request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        try:
+            ids = encode_chat(self.tokenizer, req.messages_as_dicts())
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        params = self._prepare(req, [ids], "messages")
+        return await self._run(request, req, [ids], params, chat=True)
+
+    async def _run(self, request: Request, req, prompts, params, chat: bool) -> Response:
+        parent = extract(dict(request.headers))
+        tracer = trace.get_tracer("specdec")
+        rid = new_chat_completion_id() if chat else new_completion_id()
+        span = tracer.start_span("router.request", context=parent,
+                                 attributes={"request_id": rid, "stream": bool(req.stream),
+                                             "n": req.num_choices, "prompts": len(prompts)})
+        ctx = trace.set_span_in_context(span, parent)
+        if constants.DEBUG_LOG_PROMPTS:
+            log.info("request %s prompts=%r", rid, prompts)
+        seqs: list[Sequence] = []
+        try:
+            for ids in prompts:  # choices are prompt-major: index = prompt * n + choice
+                for s in self.submit(ids, params):
+                    s.meta.update(trace_ctx=ctx, request_id=rid)
+                    seqs.append(s)
+        except BaseException:
+            for s in seqs:
+                self.finish(s)
+            span.end()
+            raise
+        if req.stream:
+            gen = self._stream(req, rid, seqs, prompts, chat, span)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        try:
+            async for _ in self._watch(seqs):
+                pass
+            usage = self._usage(seqs, prompts, speculative=True)
+            span.set_attribute("completion_tokens", usage.completion_tokens)
+            texts = [s.text for s in seqs]
+            reasons = [_finish(s) for s in seqs]
+            build = chat_response if chat else completion_response
+            body = build(model=self.cfg.model_name, texts=texts, finish_reasons=reasons, usage=usage, request_id=rid)
+            return JSONResponse(body.model_dump())
+        finally:
+            for s in seqs:
+                self.finish(s)
+            span.end()
+
+    async def _stream(self, req, rid, seqs, prompts, chat: bool, span) -> AsyncIterator[str]:
+        created, model = now(), self.cfg.model_name
+        try:
+            if chat:
+                for i in range(len(seqs)):
+                    yield sse(chat_chunk(request_id=rid, model=model, created=created, index=i, role="assistant",
+                                         content=""))
+            try:
+                async for i, s in self._watch(seqs):
+                    delta = s.take_delta()
+                    if delta:
+                        yield sse(chat_chunk(request_id=rid, model=model, created=created, index=i, content=delta)
+                                  if chat else completion_chunk(request_id=rid, model=model, created=created,
+                                                                text=delta, index=i))
+                    if s.finished:
+                        yield sse(chat_chunk(request_id=rid, model=model, created=created, index=i,
+                                             finish_reason=_finish(s))
+                                  if chat else completion_chunk(request_id=rid, model=model, created=created,
+                                                                text="", index=i, finish_reason=_finish(s)))
+            except RequestFailed as e:
+                yield sse(APIError(str(e), status=e.status).body())
+                yield SSE_DONE
+                return
+            if req.include_usage:
+                usage = self._usage(seqs, prompts, speculative=False)
+                yield sse(chat_usage_chunk(request_id=rid, model=model, created=created, usage=usage)
+                          if chat else completion_usage_chunk(request_id=rid, model=model, created=created,
+                                                              usage=usage))
+            yield SSE_DONE
+        finally:  # also on client disconnect (the generator is cancelled): free the sequences
+            for s in seqs:
+                self.finish(s)
+            span.end()
+
+    async def _watch(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Sequence]]:
+        """Yield (index, seq) each time a sequence changes, until all are finished."""
+        def arm(i):
+            return asyncio.ensure_future(self.wait(seqs[i]))
+        pending = {arm(i): i for i, s in enumerate(seqs) if not s.finished}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    i = pending.pop(t)
+                    t.result()  # raises RequestFailed
+                    yield i, seqs[i]
+                    if not seqs[i].finished:
+                        pending[arm(i)] = i
+        finally:
+            for t in pending:
+                t.cancel()
+
+    def _usage(self, seqs: list[Sequence], prompts: list[list[int]], speculative: bool) -> Usage:
+        completion = sum(s.num_output for s in seqs)
+        prompt = sum(len(p) for p in prompts)
+        spec = SpeculativeUsage(proposed_tokens=sum(s.proposed for s in seqs),
+                                accepted_tokens=sum(s.accepted for s in seqs),
+                                rounds=sum(s.rounds for s in seqs)) if speculative else None
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     speculative=spec)
+
+
+def _finish(seq: Sequence) -> str:
+    return "length" if seq.finish_reason == "length" else "stop"
+
+
+def _retry_after(e: APIError) -> dict | None:
+    return {"Retry-After": "1"} if e.status in (429, 503) else None

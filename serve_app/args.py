@@ -1,0 +1,156 @@
+"""The application's typed arguments: one model for the whole app, cross-checked at build time.
+
+`AppArgs` holds what a user passes to `serve run serve_app:build_app key=value ...` (or the
+`args:` of a Serve config file) and derives each deployment's own config model from it. Checks
+that span deployments happen in `validate_models()`, before anything is deployed: the target and
+draft exist, share one tokenizer, and the tensor-parallel degree divides the head counts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from deployments.draft import DraftConfig
+from deployments.router import RouterConfig
+from deployments.target import TargetConfig
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ApiConfig(BaseModel):
+    """HTTP API limits and security."""
+
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; larger gets 413.")
+    max_n: int = Field(64, ge=1, description="Largest `n` (samples per prompt).")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a chat request gives none.")
+    max_stop: int = Field(16, ge=1, description="Most stop strings per request.")
+    max_stop_len: int = Field(256, ge=1, description="Longest stop string.")
+    require_api_key: bool = Field(False, description="Require `Authorization: Bearer <key>`; keys from SPECDEC_API_KEYS or SPECDEC_API_KEYS_FILE.")
+
+
+class AppArgs(BaseModel):
+    """Arguments of `serve_app:build_app`."""
+
+    model_config = {"extra": "forbid"}
+
+    target: str = Field("smollm2", description="Target checkpoint: a Hugging Face directory, a .gguf file, or 'smollm2' (the demo model).")
+    draft: str | None = Field(None, description="Draft checkpoint with the target's tokenizer (proposer='draft').")
+    proposer: Literal["ngram", "draft", "self", "none"] = Field("ngram", description="Proposer: n-gram lookup, a draft model, the target's first layers, or none.")
+    self_draft_layers: int = Field(4, ge=1, description="Target layers used by proposer='self'.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round.")
+    adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
+    dtype: Dtype = Field("float32", description="Model dtype.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device of the model replicas.")
+    max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
+    batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before starting a batch.")
+    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output) in tokens.")
+    max_queued_sequences: int = Field(256, ge=0, description="Queued sequences per router beyond which requests get 503.")
+    model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
+    num_threads: int = Field(0, ge=0, description="torch threads per model replica (0: all cores).")
+    target_cpus: float = Field(0.5, gt=0, description="CPUs per target rank (one placement-group bundle each).")
+    draft_cpus: float = Field(0.25, gt=0, description="CPUs per draft replica.")
+    router_cpus: float = Field(0.1, gt=0, description="CPUs per router replica.")
+    target_replicas: int = Field(1, ge=1, description="Target replicas (initial when autoscaling).")
+    draft_replicas: int = Field(1, ge=1, description="Draft replicas (initial when autoscaling).")
+    router_replicas: int = Field(1, ge=1, description="Router replicas (initial when autoscaling).")
+    autoscaling: bool = Field(False, description="Scale deployments with the custom policies in serve_app.autoscaling.")
+    max_target_replicas: int = Field(4, ge=1, description="Upper bound for target replicas when autoscaling.")
+    max_draft_replicas: int = Field(4, ge=1, description="Upper bound for draft replicas when autoscaling.")
+    max_router_replicas: int = Field(2, ge=1, description="Upper bound for router replicas when autoscaling.")
+    lanes_per_target: int = Field(2, ge=1, description="Running batches one target replica holds caches for.")
+    api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse_cli_strings(cls, data):
+        """`serve run ... api={"max_n":8}` passes strings: parse JSON for nested fields."""
+        if isinstance(data, dict) and isinstance(data.get("api"), str):
+            data = {**data, "api": json.loads(data["api"])}
+        if isinstance(data, dict) and data.get("draft") in ("", "none", "None"):
+            data = {**data, "draft": None}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppArgs":
+        if self.proposer == "draft" and not self.draft:
+            raise ValueError("proposer='draft' needs draft=PATH (a checkpoint with the target's tokenizer)")
+        if self.draft and self.proposer not in ("draft",):
+            raise ValueError(f"draft={self.draft!r} is given but proposer={self.proposer!r}; set proposer=draft")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")
+        return self
+
+    # ---- derived -----------------------------------------------------------------------------
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.target in ("smollm2", "default"):
+            return "SmolLM2-135M-Instruct"
+        return Path(self.target.rstrip("/")).name.removesuffix(".gguf")
+
+    @property
+    def speculate(self) -> bool:
+        return self.proposer != "none" and self.num_speculative_tokens > 0
+
+    def target_bundles(self) -> list[dict]:
+        """Placement-group bundles of one target replica: one per tensor-parallel rank."""
+        bundle = {"CPU": self.target_cpus}
+        if self.device == "cuda":
+            bundle["GPU"] = 1
+        return [dict(bundle) for _ in range(self.tp)]
+
+    def target_config(self) -> TargetConfig:
+        return TargetConfig(model=self.target, dtype=self.dtype, device=self.device, tp=self.tp,
+                            num_slots=self.max_batch_size * self.lanes_per_target, max_model_len=self.max_model_len,
+                            num_threads=self.num_threads, worker_cpus=self.target_cpus,
+                            worker_gpus=1 if self.device == "cuda" else 0)
+
+    def draft_config(self) -> DraftConfig | None:
+        if not self.speculate:
+            return None
+        return DraftConfig(proposer=self.proposer, draft=self.draft, target=self.target,
+                           self_draft_layers=self.self_draft_layers, dtype=self.dtype, device=self.device,
+                           num_slots=self.max_batch_size * self.lanes_per_target * self.router_replicas,
+                           max_model_len=self.max_model_len, num_threads=self.num_threads)
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(tokenizer=self.target, model_name=self.served_model_name,
+                            max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
+                            max_lanes=self.lanes_per_target * self.max_target_replicas,
+                            max_queued_sequences=self.max_queued_sequences,
+                            num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
+                            speculate=self.speculate, max_model_len=self.max_model_len)
+
+    # ---- cross-deployment checks (build time) ------------------------------------------------
+    def validate_models(self) -> None:
+        """Load configs and tokenizers (not weights) and check what spans deployments."""
+        from specdec.loader import (ModelLoadError, check_same_vocab, load_tokenizer, materialize,
+                                    resolve)
+        from specdec.model import ModelArgs
+        from specdec.tp import check_tp
+        from transformers import AutoConfig
+
+        src = materialize(resolve(self.target))  # converts a GGUF once, here, not in every replica
+        margs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(src.path))
+        try:
+            check_tp(margs, self.tp)
+        except ValueError as e:
+            raise ValueError(f"tp={self.tp} cannot shard target {self.target}: {e}") from None
+        if self.proposer == "self" and self.self_draft_layers >= margs.num_layers:
+            raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
+                             f"{margs.num_layers} layers")
+        if self.max_model_len > margs.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's "
+                             f"{margs.max_position_embeddings} positions")
+        if self.proposer == "draft":
+            dsrc = materialize(resolve(self.draft))
+            try:
+                check_same_vocab(load_tokenizer(src.path), load_tokenizer(dsrc.path), self.target, self.draft)
+            except ModelLoadError as e:
+                raise ValueError(str(e)) from None

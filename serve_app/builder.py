@@ -1,0 +1,62 @@
+"""`build_app(args) -> Application`: the three deployments wired together (Ray Serve LLM style:
+a builder, not module-level decorators).
+
+    Router (ingress, OpenAI API, batching, speculative rounds)
+      |-- Draft   (proposer replicas; KV-cache affinity by a custom request router)
+      `-- Target  (tensor-parallel groups: tp placement-group bundles per replica, STRICT_PACK)
+
+Arguments are validated and cross-checked when the app is built (serve_app.args.AppArgs), so a
+bad combination fails before anything is deployed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from deployments.affinity import REQUEST_ROUTER_PATH
+from deployments.draft import DraftDeployment
+from deployments.target import TargetDeployment
+from serve_app.api import OpenAIRouter
+from serve_app.args import AppArgs
+
+
+def _scaling(args: AppArgs, name: str, initial: int, upper: int) -> dict:
+    """num_replicas, or an autoscaling config with the project's policy for `name`."""
+    if not args.autoscaling:
+        return {"num_replicas": initial}
+    from serve_app.autoscaling import policy_for
+    return {"autoscaling_config": AutoscalingConfig(
+        min_replicas=1, initial_replicas=initial, max_replicas=max(upper, initial), policy=policy_for(name))}
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application:
+    """Build the application from `serve run serve_app:build_app key=value ...` arguments."""
+    a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
+    a.validate_models()
+    affinity = RequestRouterConfig(request_router_class=REQUEST_ROUTER_PATH)
+    bundles = a.target_bundles()
+    target = serve.deployment(
+        TargetDeployment, name="Target",
+        ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
+        **({"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"} if a.tp > 1 else {}),
+        max_ongoing_requests=4 * a.lanes_per_target, health_check_period_s=5, health_check_timeout_s=30,
+        request_router_config=affinity,
+        **_scaling(a, "Target", a.target_replicas, a.max_target_replicas),
+    ).bind(a.target_config().model_dump())
+    draft = None
+    dcfg = a.draft_config()
+    if dcfg is not None:
+        draft = serve.deployment(
+            DraftDeployment, name="Draft",
+            ray_actor_options={"num_cpus": a.draft_cpus, "num_gpus": 1 if a.device == "cuda" else 0},
+            max_ongoing_requests=8 * a.lanes_per_target, request_router_config=affinity,
+            **_scaling(a, "Draft", a.draft_replicas, a.max_draft_replicas),
+        ).bind(dcfg.model_dump())
+    router = serve.deployment(
+        OpenAIRouter, name="Router", ray_actor_options={"num_cpus": a.router_cpus},
+        max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=4 * a.max_queued_sequences,
+        **_scaling(a, "Router", a.router_replicas, a.max_router_replicas),
+    ).bind(a.router_config().model_dump(), a.api.model_dump(), draft, target)
+    return router

@@ -1,0 +1,23 @@
+"""Service settings read from the environment, in one place."""
+from __future__ import annotations
+
+import os
+
+# API keys: comma-separated in SPECDEC_API_KEYS, or one per line in the file SPECDEC_API_KEYS_FILE.
+API_KEYS_ENV = "SPECDEC_API_KEYS"
+API_KEYS_FILE_ENV = "SPECDEC_API_KEYS_FILE"
+# Log prompts and completions (off by default: request logs never contain them).
+DEBUG_LOG_PROMPTS = os.environ.get("SPECDEC_DEBUG_LOG_PROMPTS", "0") == "1"
+# torch threads per model replica (0 = one per core the replica may use).
+NUM_THREADS = int(os.environ.get("SPECDEC_NUM_THREADS", "0"))
+# Default application name and HTTP route prefix.
+APP_NAME = os.environ.get("SPECDEC_APP_NAME", "specdec")
+
+
+def load_api_keys() -> list[str]:
+    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    path = os.environ.get(API_KEYS_FILE_ENV)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    return keys

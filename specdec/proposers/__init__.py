@@ -1,0 +1,64 @@
+"""Proposers and a registry-driven factory: `build_proposer(kind, ...)`.
+
+kinds: "ngram" (prompt lookup), "draft" (a separate draft checkpoint), "self" (the target's
+first layers as a zero-training draft), "none" (no speculation).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specdec.proposers.base import PROPOSERS, Proposer
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
+
+BUILDERS: dict[str, Callable[..., Proposer | None]] = {}
+
+
+def builder(name: str):
+    def deco(fn):
+        BUILDERS[name] = fn
+        return fn
+    return deco
+
+
+@builder("none")
+def _none(**_) -> None:
+    return None
+
+
+@builder("ngram")
+def _ngram(ngram_min: int = 1, ngram_max: int = 3, **_) -> Proposer:
+    return NgramProposer(min_n=ngram_min, max_n=ngram_max)
+
+
+def _token_map(model, extra: dict) -> torch.Tensor | None:
+    ids = extra.get("draft_vocab")
+    return torch.tensor(ids, dtype=torch.long) if ids else None
+
+
+@builder("draft")
+def _draft(draft: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
+           max_model_len: int = 2048, top_j: int = 32, **_) -> Proposer:
+    from specdec.loader import load_model
+    model = load_model(draft, dtype=dtype, device=device)
+    return DraftModelProposer(model, num_slots, max_model_len, _token_map(model, getattr(model, "extra", {})),
+                              top_j=top_j)
+
+
+@builder("self")
+def _self(target: str, self_draft_layers: int = 4, dtype=torch.float32, device: str = "cpu",
+          num_slots: int = 8, max_model_len: int = 2048, top_j: int = 32, target_model=None, **_) -> Proposer:
+    from specdec.loader import load_model
+    model = target_model if target_model is not None else load_model(target, dtype=dtype, device=device)
+    return DraftModelProposer(model.first_layers(self_draft_layers), num_slots, max_model_len, top_j=top_j)
+
+
+def build_proposer(kind: str, **kwargs) -> Proposer | None:
+    if kind not in BUILDERS:
+        raise ValueError(f"unknown proposer {kind!r}; choose one of {sorted(BUILDERS)}")
+    return BUILDERS[kind](**kwargs)
+
+
+__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "build_proposer"]
