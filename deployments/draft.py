@@ -69,7 +69,8 @@ class DraftDeployment:
             self.proposer.release(seq_ids)
 
     def stats(self) -> dict:
-        return {"replica": self.id, "pid": os.getpid(), "proposer": self.cfg.proposer}
+        return {"replica": self.id, "pid": os.getpid(), "proposer": self.cfg.proposer,
+                "active_sequences": self.proposer.num_active}
 
     def record_autoscaling_stats(self) -> dict:
         return {"draft_tokens_per_s": self.proposed.rate(), "busy_fraction": self.proposed.busy_fraction()}

@@ -255,6 +255,8 @@ class SpecRouter:
         self._account(plan, draft, verify, emitted, t1 - t0, t2 - t1, t3 - t0)
         for s in plan.seqs:
             self._notify(s)
+        if len(verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
+            await asyncio.sleep(0.05)
 
     def _account(self, plan, draft, verify, emitted, draft_s, target_s, round_s) -> None:
         self.tokens_rate.add(sum(emitted))
@@ -274,6 +276,7 @@ class SpecRouter:
 
     async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
         if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:
+            lane.pending_draft_release += batch.release  # deliver with the next draft call
             return DraftOutput.empty(len(batch)), False
         batch.release = lane.pending_draft_release + list(batch.release)
         lane.pending_draft_release = []

@@ -56,7 +56,11 @@ class OpenAIRouter(SpecRouter):
     # ---- dispatch ------------------------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        path = request.url.path.rstrip("/") or "/"
+        path = request.url.path
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):  # the application's route prefix
+            path = path[len(root):]
+        path = path.rstrip("/") or "/"
         handler = self.routes.get((request.method, path))
         status = 500
         try:

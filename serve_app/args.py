@@ -62,7 +62,7 @@ class AppArgs(BaseModel):
     max_target_replicas: int = Field(4, ge=1, description="Upper bound for target replicas when autoscaling.")
     max_draft_replicas: int = Field(4, ge=1, description="Upper bound for draft replicas when autoscaling.")
     max_router_replicas: int = Field(2, ge=1, description="Upper bound for router replicas when autoscaling.")
-    lanes_per_target: int = Field(2, ge=1, description="Running batches one target replica holds caches for.")
+    lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
 
     @model_validator(mode="before")
@@ -98,6 +98,11 @@ class AppArgs(BaseModel):
     def speculate(self) -> bool:
         return self.proposer != "none" and self.num_speculative_tokens > 0
 
+    @property
+    def total_lanes(self) -> int:
+        """Running batches the targets can hold at most (every lane needs a target's cache slots)."""
+        return self.lanes_per_target * (self.max_target_replicas if self.autoscaling else self.target_replicas)
+
     def target_bundles(self) -> list[dict]:
         """Placement-group bundles of one target replica: one per tensor-parallel rank."""
         bundle = {"CPU": self.target_cpus}
@@ -116,13 +121,13 @@ class AppArgs(BaseModel):
             return None
         return DraftConfig(proposer=self.proposer, draft=self.draft, target=self.target,
                            self_draft_layers=self.self_draft_layers, dtype=self.dtype, device=self.device,
-                           num_slots=self.max_batch_size * self.lanes_per_target * self.router_replicas,
+                           num_slots=self.max_batch_size * self.total_lanes,
                            max_model_len=self.max_model_len, num_threads=self.num_threads)
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(tokenizer=self.target, model_name=self.served_model_name,
                             max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
-                            max_lanes=self.lanes_per_target * self.max_target_replicas,
+                            max_lanes=max(1, self.total_lanes // self.router_replicas),
                             max_queued_sequences=self.max_queued_sequences,
                             num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
                             speculate=self.speculate, max_model_len=self.max_model_len)

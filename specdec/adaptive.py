@@ -87,7 +87,9 @@ class AdaptiveK:
     def acceptance(self) -> float:
         return self.succ / self.trials if self.trials else 0.0
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, planned: int, proposed: int, accepted: int) -> None:
+        """Record a committed round: k planned, drafts actually proposed, drafts accepted."""
+        self.off_rounds = self.off_rounds + 1 if planned == 0 else 0
         if proposed == 0:
             return
         d = self.cfg.decay
@@ -102,12 +104,10 @@ class AdaptiveK:
         return k, s
 
     def choose(self, cost: CostModel, has_model: bool = True) -> int:
+        """k for the next round (no state change: `update` records what ran)."""
         k, s = self.best(cost, has_model)
         if k > 0 and s > self.cfg.min_speedup:
-            self.off_rounds = 0
             return k
-        self.off_rounds += 1
-        if self.off_rounds >= self.cfg.probe_interval:  # probe: measure acceptance again
-            self.off_rounds = 0
+        if self.off_rounds + 1 >= self.cfg.probe_interval:  # probe: measure acceptance again
             return self.best(cost, has_model, k_min=1)[0]
         return 0

@@ -1,12 +1,14 @@
 """Sampling parameters and the logits -> probabilities transforms shared by draft and target.
 
-Randomness never comes from a global generator: every sequence owns a `torch.Generator` seeded
-from its request (or from fresh entropy) and the round planner draws that sequence's uniforms
-from it, so a seeded request is reproducible whatever else shares its batch. Samples are drawn by
+Randomness never comes from a global generator: every sequence has a base seed (the request's,
+or fresh entropy) and the uniforms of a round are drawn from a generator keyed by (base seed,
+sequence length). A seeded request is therefore reproducible whatever else shares its batch, and
+however often a round is retried (a replica lost, no free cache slot). Samples are drawn by
 inverse CDF from one uniform each, which lets the uniforms travel to other processes.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -88,10 +90,15 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     return idx
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-    return g
+def round_uniforms(base_seed: int, position: int, k: int) -> torch.Tensor:
+    """Uniforms [3, k+1] for the round that starts at `position` of a sequence seeded `base_seed`."""
+    key = (base_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
+    g = torch.Generator().manual_seed(key)
+    return torch.rand(3, k + 1, generator=g, dtype=torch.float64)
+
+
+def new_base_seed(seed: int | None) -> int:
+    """The request's seed, or fresh entropy when it gave none."""
+    if seed is not None:
+        return int(seed) & 0x7FFF_FFFF_FFFF_FFFF
+    return int.from_bytes(os.urandom(8), "little") & 0x7FFF_FFFF_FFFF_FFFF

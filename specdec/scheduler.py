@@ -1,7 +1,7 @@
 """Continuous batching of speculative rounds: who runs, with which k, and what each side is sent.
 
 `plan()` admits waiting sequences (up to `max_batch_size`), picks each row's k (fixed by the
-request, or adaptive), draws the row's uniforms from its own generator and builds the round's
+request, or adaptive), draws the row's uniforms (keyed by its seed and position) and builds the round's
 `SpecBatch` for the proposer. `target_batch()` builds the target's view once the drafts are known,
 and `commit()` appends what the target emitted (stop conditions included), updates offsets,
 adaptive state and stats, and retires finished sequences. Sequences join and leave between rounds.
@@ -18,6 +18,7 @@ import torch
 
 from specdec.adaptive import AdaptiveConfig, AdaptiveK, CostModel
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
+from specdec.sampling import round_uniforms
 from specdec.sequence import Sequence
 from specdec.stats import SpecStats
 
@@ -49,6 +50,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.to_release: list[int] = []
         self.cost = CostModel()
+        # Seeded requests must reproduce: their k may depend on their own acceptance history
+        # (itself determined by the seed) but not on timings, so they plan with the prior costs.
+        self.seeded_cost = CostModel()
         self.stats = SpecStats()
 
     # ---- membership -------------------------------------------------------------------------
@@ -86,7 +90,8 @@ class Scheduler:
         elif req is not None:
             k = min(req, self.cfg.k_max)
         elif self.cfg.adaptive:
-            k = seq.adaptive.choose(self.cost, self.proposer_has_model)
+            cost = self.cost if seq.params.seed is None or seq.params.greedy else self.seeded_cost
+            k = seq.adaptive.choose(cost, self.proposer_has_model)
         else:
             k = self.cfg.k_max
         return max(0, min(k, seq.remaining - 1))
@@ -101,8 +106,8 @@ class Scheduler:
         K = max(ks)
         uniforms = torch.zeros(len(seqs), 3, K + 1, dtype=torch.float64)
         for i, (s, k) in enumerate(zip(seqs, ks)):
-            if not s.params.greedy:  # each row draws from its own generator: batch-independent
-                uniforms[i, :, : k + 1] = torch.rand(3, k + 1, generator=s.generator, dtype=torch.float64)
+            if not s.params.greedy:  # keyed by (seed, position): independent of batch and retries
+                uniforms[i, :, : k + 1] = round_uniforms(s.base_seed, len(s.tokens), k)
         batch = SpecBatch(
             seq_ids=[s.seq_id for s in seqs],
             offsets=[s.draft_offset for s in seqs],
@@ -142,7 +147,7 @@ class Scheduler:
             s.proposed += k
             s.accepted += m
             s.rounds += 1
-            s.adaptive.update(k, m)
+            s.adaptive.update(plan.draft_batch.num_draft[i], k, m)
             self.stats.observe_row(k, m, len(emitted))
         self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
         # wall times as the loop paid them (in the service they include the deployment hops)

@@ -11,10 +11,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.adaptive import AdaptiveConfig, AdaptiveK
-from specdec.sampling import SamplingParams, make_generator
+from specdec.sampling import SamplingParams, new_base_seed
 
 _ids = itertools.count(1)
 
@@ -40,13 +38,13 @@ class Sequence:
     rounds: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    generator: torch.Generator | None = None
+    base_seed: int | None = None  # keys this sequence's uniforms (see sampling.round_uniforms)
     meta: dict = field(default_factory=dict)  # caller's data (e.g. the request's trace context)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
-        if self.generator is None:
-            self.generator = make_generator(self.params.seed)
+        if self.base_seed is None:
+            self.base_seed = new_base_seed(self.params.seed)
         if self.adaptive is None:
             self.adaptive = AdaptiveK(AdaptiveConfig())
 

@@ -45,3 +45,28 @@ def demo_tok(demo_dir):
 def demo_model(demo_dir):
     from specdec.loader import load_model
     return load_model(demo_dir, dtype=torch.float32)
+
+
+# ---- Ray: one local cluster per test session, started only when a test needs it ---------------
+SERVE_PORT = int(os.environ.get("SPECDEC_TEST_PORT", "8123"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("SPECDEC_NUM_THREADS", "1")
+    import ray
+    from ray import serve
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    yield f"http://127.0.0.1:{SERVE_PORT}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(name: str, args: dict):
+    """serve.run an application built from `args` at route /<name>; returns its base URL."""
+    from ray import serve
+    from serve_app import build_app
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return f"http://127.0.0.1:{SERVE_PORT}/{name}"

@@ -32,6 +32,11 @@ class Proposer(ABC):
         """Forget finished or aborted sequences."""
 
     @property
+    def num_active(self) -> int:
+        """Sequences whose state this proposer holds."""
+        return 0
+
+    @property
     def has_model(self) -> bool:
         """True when proposing costs a model forward (its cost enters the adaptive policy)."""
         return False

@@ -40,6 +40,10 @@ class DraftModelProposer(Proposer):
     def has_model(self) -> bool:
         return True
 
+    @property
+    def num_active(self) -> int:
+        return len(self.table)
+
     def release(self, seq_ids) -> None:
         for s in seq_ids:
             self.table.release(s)

@@ -33,6 +33,10 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = min_n, max_n
         self.history: dict[int, list[int]] = {}
 
+    @property
+    def num_active(self) -> int:
+        return len(self.history)
+
     def release(self, seq_ids) -> None:
         for s in seq_ids:
             self.history.pop(s, None)

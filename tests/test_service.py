@@ -1,0 +1,171 @@
+"""The Ray Serve application end to end over HTTP, on tiny models (CPU, one local cluster)."""
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import deploy
+from openai_schema import COMPLETION_CHUNK, validate
+
+pytestmark = pytest.mark.ray
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_app(ray_cluster, tiny_dir, tiny_draft_dir):
+    url = deploy("tiny", {"target": str(tiny_dir), "draft": str(tiny_draft_dir), "proposer": "draft",
+                          "max_model_len": 512, "dtype": "float32", "num_speculative_tokens": 3,
+                          "batch_wait_timeout_s": 0.05})
+    return url, tiny_dir.name
+
+
+@pytest.fixture(scope="module")
+def client(tiny_app):
+    url, _ = tiny_app
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(url, path, body, **kw):
+    return httpx.post(f"{url}{path}", json=body, timeout=120, **kw)
+
+
+def test_models_and_health(tiny_app):
+    url, model = tiny_app
+    r = httpx.get(f"{url}/v1/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == model
+    validate(r.json(), "ListModelsResponse")
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_completion_chat_and_streaming_with_openai_client(tiny_app, client):
+    url, model = tiny_app
+    r = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=12, temperature=0)
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    assert r.usage.model_extra["speculative"]["rounds"] >= 1
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                       max_tokens=8, temperature=0)
+    assert c.choices[0].message.role == "assistant"
+    chunks = list(client.completions.create(model=model, prompt="import os", max_tokens=10, temperature=0,
+                                            stream=True))
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    full = client.completions.create(model=model, prompt="import os", max_tokens=10, temperature=0)
+    assert streamed == full.choices[0].text
+    chat_chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chat_chunks[-1].usage.completion_tokens == 6
+
+
+def test_raw_bodies_validate_against_openai_schema(tiny_app):
+    url, model = tiny_app
+    body = post(url, "/v1/completions", {"model": model, "prompt": "x = ", "max_tokens": 5, **GREEDY}).json()
+    validate(body, "CreateCompletionResponse")
+    body = post(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "a"}],
+                                              "max_tokens": 5, **GREEDY}).json()
+    validate(body, "CreateChatCompletionResponse")
+    for path, req, schema in [
+        ("/v1/completions", {"prompt": "y = "}, COMPLETION_CHUNK),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}]},
+         "CreateChatCompletionStreamResponse")]:
+        with httpx.stream("POST", f"{url}{path}", json={"model": model, "max_tokens": 5, "stream": True, **req,
+                                                        **GREEDY}, timeout=60) as r:
+            lines = [l for l in r.iter_lines() if l.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        for l in lines[:-1]:
+            chunk = json.loads(l[6:])
+            validate(chunk, schema)
+    err = post(url, "/v1/completions", {"model": model, "prompt": "x", "temperature": -1})
+    assert err.status_code == 400
+    validate(err.json(), "ErrorResponse")
+
+
+def _complete(url, model, prompt, n_tokens=24, **extra):
+    r = post(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n_tokens, **GREEDY, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+PROMPTS = ["def add(a, b):", "import json\n", "class Foo:", "for i in range(", "x = [1, 2,", "# comment\n",
+           "while True:", "return self."]
+
+
+def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
+    url, model = tiny_app
+    plain = [_complete(url, model, p, num_speculative_tokens=0)["choices"][0]["text"] for p in PROMPTS]
+    spec = [_complete(url, model, p, num_speculative_tokens=3) for p in PROMPTS]
+    assert [s["choices"][0]["text"] for s in spec] == plain
+    assert sum(s["usage"]["speculative"]["proposed_tokens"] for s in spec) > 0
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*[
+                c.post(f"{url}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 24, **GREEDY})
+                for p in PROMPTS * 2])
+        return [r.json()["choices"][0]["text"] for r in rs]
+    before = httpx.get(f"{url}/stats").json()
+    loaded = asyncio.run(burst())
+    after = httpx.get(f"{url}/stats").json()
+    assert loaded == plain * 2
+    rounds = after["rounds"] - before["rounds"]
+    rows = after["row_rounds"] - before["row_rounds"]
+    assert rows / rounds > 1.5  # concurrent requests really shared rounds
+
+
+def test_n_samples_and_seeds(tiny_app):
+    url, model = tiny_app
+    body = {"model": model, "prompt": "def f(", "max_tokens": 6, "temperature": 1.0, "n": 64, "seed": 7}
+    a = post(url, "/v1/completions", body).json()
+    assert len(a["choices"]) == 64 and sorted(c["index"] for c in a["choices"]) == list(range(64))
+    assert len({c["text"] for c in a["choices"]}) > 1
+    b = post(url, "/v1/completions", body).json()
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    from ray import serve  # every finished sequence released its draft and target slots
+    assert serve.get_deployment_handle("Draft", app_name="tiny").stats.remote().result()["active_sequences"] == 0
+    assert serve.get_deployment_handle("Target", app_name="tiny").stats.remote().result()["active_sequences"] == 0
+
+
+def test_client_disconnect_frees_slots(tiny_app):
+    url, model = tiny_app
+    from ray import serve
+    target = serve.get_deployment_handle("Target", app_name="tiny")
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": model, "prompt": "def", "max_tokens": 400,
+                                                             "stream": True, **GREEDY}, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = target.stats.remote().result()
+        if stats["active_sequences"] == 0 and httpx.get(f"{url}/stats").json()["running"] == 0:
+            break
+        time.sleep(0.5)
+    assert stats["active_sequences"] == 0
+
+
+def test_tensor_parallel_2_matches_tp_1(ray_cluster, tiny_dir, tiny_app):
+    url1, model = tiny_app
+    url2 = deploy("tp2", {"target": str(tiny_dir), "proposer": "ngram", "tp": 2, "max_model_len": 512,
+                          "dtype": "float32", "target_cpus": 0.25})
+    for p in PROMPTS[:4]:
+        assert _complete(url2, model, p)["choices"][0]["text"] == _complete(url1, model, p)["choices"][0]["text"]
+    from ray import serve
+    stats = serve.get_deployment_handle("Target", app_name="tp2").stats.remote().result()
+    assert len(stats["tp_worker_pids"]) == 1 and stats["tp_worker_pids"][0] != stats["pid"]
+    serve.delete("tp2")
+
+
+def test_builder_refuses_bad_args(tiny_dir, tmp_path):
+    from serve_app import build_app
+    with pytest.raises(ValueError, match="does not divide"):
+        build_app({"target": str(tiny_dir), "tp": 3, "max_model_len": 512})
+    with pytest.raises(ValueError, match="needs draft"):
+        build_app({"target": str(tiny_dir), "proposer": "draft", "max_model_len": 512})
+    with pytest.raises(Exception, match="does not exist"):
+        build_app({"target": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="max_model_len"):
+        build_app({"target": str(tiny_dir), "max_model_len": 100000})
