@@ -1,0 +1,452 @@
+"""Custom Ray Serve autoscaling policies for the Router, Target and Draft deployments.
+
+The idea: express each deployment's load as *replica-units of demand* (how many replicas it would
+take at 100 % utilization), then size for a target utilization with hysteresis:
+
+    units    = max(signal / per-replica capacity, ...)      e.g. tokens/s / target_tokens_per_s
+    desired  = ceil(units / target_utilization)
+    u        = units / current target replicas
+    scale up    when u > upscale_utilization    (at most once per upscale_cooldown_s after a scale-up)
+    scale down  when u < downscale_utilization and desired < current, for downscale_delay_s in a row
+    otherwise hold.
+
+Because `desired` always leaves u <= target_utilization < upscale_utilization, a scale-down never
+lands where the next tick scales up again, and a signal flapping across one threshold only resets
+the downscale timer. Missing data (no replica has reported yet) holds the current count; every
+result is clamped to the context's capacity-adjusted min/max.
+
+* `router_policy`: ongoing (running + queued) sequences per router replica.
+* `target_policy`: generated tokens/s against `target_tokens_per_s`, and sequences (active + any
+  relayed router queue) against `target_sequences_per_replica`.
+* `draft_policy`: proposals/s against `draft_tokens_per_s`. When acceptance collapses the router's
+  adaptive scheduler turns speculation down (k -> 0), proposal demand falls and draft replicas are
+  released; when it recovers, demand and replicas return.
+* `app_policy` (application level, one decision for all three): sees the router's queue and
+  acceptance. The target's capacity is scaled by the tokens one forward yields at the current
+  acceptance relative to the reference acceptance it was measured at, and the router's *requested*
+  draft tokens/s sizes the draft (visible even when few draft replicas run). Acceptance below
+  `acceptance_low` (until above `acceptance_high`) marks speculation collapsed: drafts go down to
+  `draft_floor_while_serving` (kept so probing rounds can notice recovery).
+
+How Ray 2.60 calls these (ray/serve/_private/autoscaling_state.py, ray/serve/autoscaling_policy.py):
+a deployment policy is `policy(ctx: AutoscalingContext) -> (num_replicas, policy_state: dict)`,
+called every control-loop tick (~0.1 s); the returned state comes back as `ctx.policy_state` next
+tick (we keep ours under "specdec." keys and preserve Ray's own). Ray wraps every custom policy
+with its upscaling/downscaling factors, its `upscale_delay_s`/`downscale_delay_s` (these *stack*
+with ours: set them low, e.g. 0-5 s, when using these policies) and min/max bounds. An
+application-level policy is `policy(contexts: dict[DeploymentID, AutoscalingContext]) ->
+(dict[DeploymentID, num_replicas], dict[DeploymentID, state])`, declared in a Serve config file:
+
+    applications:
+      - name: specdec
+        import_path: serve_app:app
+        autoscaling_policy:
+          policy_function: serve_app.autoscaling:AppPolicy    # or :app_policy (defaults)
+          policy_kwargs: {target_tokens_per_s: 120}
+        deployments:                                           # each needs an autoscaling_config
+          - {name: Router, autoscaling_config: {min_replicas: 1, max_replicas: 2}}
+
+`policy_kwargs` only reach *classes* (Ray instantiates `Class(**policy_kwargs)` once, then calls
+the instance); plain functions get none. Hence each policy exists twice: a function using
+`DEFAULT_PARAMS` and a class (`RouterPolicy`, `TargetPolicy`, `DraftPolicy`, `AppPolicy`) taking
+any `AutoscalingParams` field as a kwarg. `DEFAULT_PARAMS` reads `SPECDEC_AUTOSCALING_<FIELD>`
+env vars once, at import, in the process that serializes the policy (Ray pickles the module by
+value): the driver for `serve.run`, or the app's build task -- which runs with the application's
+runtime_env -- for `serve deploy`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.metrics import (  # noqa: F401  (re-exported: the stats-key contract)
+    DRAFT_BUSY_FRACTION,
+    DRAFT_STATS_KEYS,
+    DRAFT_TOKENS_PER_S,
+    ROUTER_ACCEPTANCE_RATE,
+    ROUTER_DRAFT_TOKENS_PER_S,
+    ROUTER_ONGOING_REQUESTS,
+    ROUTER_QUEUED_REQUESTS,
+    ROUTER_SPECULATING_FRACTION,
+    ROUTER_STATS_KEYS,
+    ROUTER_TOKENS_PER_S,
+    TARGET_ACTIVE_SEQUENCES,
+    TARGET_BUSY_FRACTION,
+    TARGET_QUEUED_REQUESTS,
+    TARGET_STATS_KEYS,
+    TARGET_TOKENS_PER_S,
+)
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext
+
+ENV_PREFIX = "SPECDEC_AUTOSCALING_"
+_STATE = "specdec."  # prefix of our keys in policy_state (Ray keeps its own keys alongside)
+
+
+class AutoscalingParams(BaseModel):
+    """Capacities, thresholds and names used by every policy in this module."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_tokens_per_s: float = Field(
+        100.0, gt=0, description="Generated tokens/s one Target replica sustains at full batch, "
+        "measured at `reference_acceptance` (e.g. with specdec-bench).")
+    target_sequences_per_replica: float = Field(
+        16.0, gt=0, description="Concurrent sequences one Target replica serves well (its KV slots "
+        "/ max batch); sequences beyond this count as extra load.")
+    draft_tokens_per_s: float = Field(
+        400.0, gt=0, description="Draft tokens/s one Draft replica can propose.")
+    router_ongoing_per_replica: float = Field(
+        32.0, gt=0, description="Running + queued sequences one Router replica handles well.")
+    target_utilization: float = Field(
+        0.7, gt=0, le=1, description="Utilization that scaling aims for: desired = ceil(units / this).")
+    upscale_utilization: float = Field(
+        0.85, gt=0, description="Scale up when load per current replica exceeds this.")
+    downscale_utilization: float = Field(
+        0.5, ge=0, description="Scale down only when load per current replica is below this ...")
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="... continuously for this long (the timer resets when load rises "
+        "or the replica count changes).")
+    upscale_cooldown_s: float = Field(
+        15.0, ge=0, description="Minimum time after an actual scale-up before the next one, so "
+        "lagging windowed metrics can reflect the new replicas.")
+    scale_on_busy: bool = Field(
+        False, description="Also count the sum of replicas' busy_fraction as load. Off by default: "
+        "with synchronous rounds a replica is busy whenever any sequence runs, even at batch 1.")
+    acceptance_low: float = Field(
+        0.2, ge=0, le=1, description="app_policy: router acceptance below this marks speculation "
+        "collapsed (draft replicas released).")
+    acceptance_high: float = Field(
+        0.35, ge=0, le=1, description="app_policy: acceptance above this ends a collapse.")
+    reference_acceptance: float = Field(
+        0.6, ge=0, lt=1, description="Acceptance at which target_tokens_per_s was measured.")
+    reference_k: int = Field(
+        4, ge=1, description="Typical draft length, for the expected tokens per target forward.")
+    acceptance_aware_capacity: bool = Field(
+        True, description="app_policy: scale the target's capacity by tokens per forward at the "
+        "current acceptance relative to the reference.")
+    draft_floor_while_serving: int = Field(
+        1, ge=0, description="app_policy: draft replicas kept while the router has traffic, even "
+        "when speculation collapsed, so probing rounds can detect recovery.")
+    router_deployment: str = Field("Router", description="Router deployment name (app_policy).")
+    target_deployment: str = Field("Target", description="Target deployment name (app_policy).")
+    draft_deployment: str = Field("Draft", description="Draft deployment name (app_policy).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingParams":
+        if not self.downscale_utilization < self.target_utilization < self.upscale_utilization:
+            raise ValueError("need downscale_utilization < target_utilization < upscale_utilization")
+        if not self.acceptance_low <= self.acceptance_high:
+            raise ValueError("need acceptance_low <= acceptance_high")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoscalingParams":
+        """Defaults, overridden by SPECDEC_AUTOSCALING_<FIELD> env vars, then by `overrides`."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                values[name] = raw
+        values.update(overrides)
+        return cls(**values)
+
+
+DEFAULT_PARAMS = AutoscalingParams.from_env()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def _metric(ctx: "AutoscalingContext", key: str) -> list[float] | None:
+    """Per-replica values of a custom stat, or None when no running replica reported it."""
+    metrics = ctx.aggregated_metrics or {}
+    per_replica = metrics.get(key)
+    if not per_replica:
+        return None
+    return [float(v) for v in per_replica.values()]
+
+
+def _sum(ctx: "AutoscalingContext", key: str) -> float | None:
+    vals = _metric(ctx, key)
+    return None if vals is None else sum(vals)
+
+
+def _clamp(n: int, ctx: "AutoscalingContext") -> int:
+    return max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, int(n)))
+
+
+def _now(ctx: "AutoscalingContext") -> float:
+    return ctx.current_time if ctx.current_time is not None else time.time()
+
+
+def expected_tokens_per_forward(acceptance: float, k: int, speculating_fraction: float = 1.0) -> float:
+    """E[tokens per sequence per target forward]: (1 - a^(k+1)) / (1 - a) when speculating, else 1."""
+    a = min(max(acceptance, 0.0), 1.0)
+    e = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    f = min(max(speculating_fraction, 0.0), 1.0)
+    return f * e + (1.0 - f)
+
+
+def decide(ctx: "AutoscalingContext", units: float | None, p: AutoscalingParams,
+           state: dict[str, Any], key: str, floor: int = 0) -> int:
+    """The hysteresis step shared by all policies (see module docstring); mutates `state`.
+
+    `units` is the load in replica-units (None: no data -> hold). `key` namespaces the timers in
+    `state`; `floor` is a lower bound on the desired count (before min/max clamping).
+    """
+    base = ctx.target_num_replicas
+    low_since_k, low_base_k = f"{_STATE}{key}.low_since", f"{_STATE}{key}.low_base"
+    if units is None:
+        state.pop(low_since_k, None)
+        return _clamp(base, ctx)
+    now = _now(ctx)
+    units = max(0.0, units)
+    desired = max(math.ceil(units / p.target_utilization - 1e-9), floor)
+    if base <= 0:  # scaling from zero: no hysteresis
+        state.pop(low_since_k, None)
+        return _clamp(desired, ctx)
+    u = units / base
+    if desired > base and (u > p.upscale_utilization or floor > base):
+        state.pop(low_since_k, None)
+        last_up = ctx.last_scale_up_time
+        if last_up is not None and now - last_up < p.upscale_cooldown_s:
+            return _clamp(base, ctx)
+        return _clamp(desired, ctx)
+    if desired < base and u < p.downscale_utilization:
+        since = state.get(low_since_k)
+        if since is None or state.get(low_base_k) != base:
+            state[low_since_k], state[low_base_k] = now, base
+            since = now
+        if now - since >= p.downscale_delay_s:
+            return _clamp(desired, ctx)
+        return _clamp(base, ctx)
+    state.pop(low_since_k, None)
+    return _clamp(base, ctx)
+
+
+def _max_units(*units: float | None) -> float | None:
+    known = [u for u in units if u is not None]
+    return max(known) if known else None
+
+
+def _router_units(ctx: "AutoscalingContext", p: AutoscalingParams) -> float | None:
+    ongoing = _sum(ctx, ROUTER_ONGOING_REQUESTS)
+    if ongoing is None:  # no custom stats yet: Serve's own count of ongoing requests
+        ongoing = ctx.total_num_requests
+    return None if ongoing is None else ongoing / p.router_ongoing_per_replica
+
+
+def _target_units(ctx: "AutoscalingContext", p: AutoscalingParams, extra_sequences: float = 0.0,
+                  tokens_per_s: float | None = None, capacity_scale: float = 1.0) -> float | None:
+    tps = _sum(ctx, TARGET_TOKENS_PER_S)
+    if tokens_per_s is not None:
+        tps = tokens_per_s if tps is None else max(tps, tokens_per_s)
+    active = _sum(ctx, TARGET_ACTIVE_SEQUENCES)
+    queued = _sum(ctx, TARGET_QUEUED_REQUESTS) or 0.0
+    seqs = None
+    if active is not None or extra_sequences:
+        seqs = max((active or 0.0) + queued, extra_sequences)
+    busy = _sum(ctx, TARGET_BUSY_FRACTION) if p.scale_on_busy else None
+    return _max_units(
+        None if tps is None else tps / (p.target_tokens_per_s * capacity_scale),
+        None if seqs is None else seqs / p.target_sequences_per_replica,
+        busy,
+    )
+
+
+def _draft_units(ctx: "AutoscalingContext", p: AutoscalingParams,
+                 requested_tokens_per_s: float | None = None) -> float | None:
+    tps = _max_units(_sum(ctx, DRAFT_TOKENS_PER_S), requested_tokens_per_s)
+    busy = _sum(ctx, DRAFT_BUSY_FRACTION) if p.scale_on_busy else None
+    return _max_units(None if tps is None else tps / p.draft_tokens_per_s, busy)
+
+
+# ---------------------------------------------------------------------------------------------
+# deployment-level policies: policy(ctx) -> (num_replicas, policy_state)
+# ---------------------------------------------------------------------------------------------
+
+def router_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
+    """Router: ongoing (running + queued) sequences per replica vs router_ongoing_per_replica."""
+    p = params or DEFAULT_PARAMS
+    state = dict(ctx.policy_state or {})
+    return decide(ctx, _router_units(ctx, p), p, state, "router"), state
+
+
+def target_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
+    """Target: tokens/s vs target_tokens_per_s and sequences (+ relayed queue) vs slots."""
+    p = params or DEFAULT_PARAMS
+    state = dict(ctx.policy_state or {})
+    return decide(ctx, _target_units(ctx, p), p, state, "target"), state
+
+
+def draft_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
+    """Draft: proposed tokens/s vs draft_tokens_per_s (falls when speculation turns itself down)."""
+    p = params or DEFAULT_PARAMS
+    state = dict(ctx.policy_state or {})
+    return decide(ctx, _draft_units(ctx, p), p, state, "draft"), state
+
+
+# ---------------------------------------------------------------------------------------------
+# application-level policy: policy(contexts) -> ({id: num_replicas}, {id: policy_state})
+# ---------------------------------------------------------------------------------------------
+
+def _weighted_mean(values: list[float] | None, weights: list[float] | None) -> float | None:
+    if not values:
+        return None
+    if weights and len(weights) == len(values) and sum(weights) > 0:
+        return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+    return sum(values) / len(values)
+
+
+def app_policy(contexts: dict[Any, "AutoscalingContext"],
+               params: AutoscalingParams | None = None) -> tuple[dict[Any, int], dict[Any, dict]]:
+    """One decision for Router, Target and Draft from the router's queue and acceptance.
+
+    Deployments are recognized by name (params.*_deployment); others are left out of the
+    decisions (Ray then keeps their replica count and state).
+    """
+    p = params or DEFAULT_PARAMS
+    by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+    states = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
+    decisions: dict[Any, int] = {}
+
+    router = by_name.get(p.router_deployment)
+    r_ctx = router[1] if router else None
+    ongoing = queued = r_tps = acceptance = spec_frac = draft_req = None
+    if r_ctx is not None:
+        ongoing = _sum(r_ctx, ROUTER_ONGOING_REQUESTS)
+        queued = _sum(r_ctx, ROUTER_QUEUED_REQUESTS)
+        r_tps = _sum(r_ctx, ROUTER_TOKENS_PER_S)
+        draft_req = _sum(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)
+        weights = _metric(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)
+        acceptance = _weighted_mean(_metric(r_ctx, ROUTER_ACCEPTANCE_RATE), weights)
+        spec_frac = _weighted_mean(_metric(r_ctx, ROUTER_SPECULATING_FRACTION),
+                                   _metric(r_ctx, ROUTER_ONGOING_REQUESTS))
+        dep_id = router[0]
+        decisions[dep_id] = decide(r_ctx, _router_units(r_ctx, p), p, states[dep_id], "router")
+
+    # Speculation collapse, with hysteresis; judged only while drafts are being requested.
+    collapsed_key = f"{_STATE}acceptance_collapsed"
+    collapsed = bool(states[router[0]].get(collapsed_key, False)) if router else False
+    if acceptance is not None and (draft_req or 0.0) > 0:
+        if acceptance < p.acceptance_low:
+            collapsed = True
+        elif acceptance > p.acceptance_high:
+            collapsed = False
+    if router:
+        states[router[0]][collapsed_key] = collapsed
+
+    target = by_name.get(p.target_deployment)
+    if target:
+        dep_id, t_ctx = target
+        scale = 1.0
+        if p.acceptance_aware_capacity and acceptance is not None and spec_frac is not None:
+            now_len = expected_tokens_per_forward(acceptance, p.reference_k, spec_frac)
+            ref_len = expected_tokens_per_forward(p.reference_acceptance, p.reference_k, 1.0)
+            scale = now_len / ref_len
+        units = _target_units(t_ctx, p, extra_sequences=ongoing or 0.0, tokens_per_s=r_tps,
+                              capacity_scale=scale)
+        decisions[dep_id] = decide(t_ctx, units, p, states[dep_id], "target")
+
+    draft = by_name.get(p.draft_deployment)
+    if draft:
+        dep_id, d_ctx = draft
+        serving = (ongoing or 0.0) > 0 or (r_ctx is not None and (r_ctx.total_num_requests or 0) > 0)
+        floor = min(p.draft_floor_while_serving, d_ctx.capacity_adjusted_max_replicas) if serving else 0
+        if collapsed:
+            units: float | None = 0.0
+        else:
+            units = _draft_units(d_ctx, p, requested_tokens_per_s=draft_req)
+        decisions[dep_id] = decide(d_ctx, units, p, states[dep_id], "draft", floor=floor)
+
+    return decisions, states
+
+
+# ---------------------------------------------------------------------------------------------
+# class forms: Ray instantiates Class(**policy_kwargs) once and calls the instance every tick
+# ---------------------------------------------------------------------------------------------
+
+class _Configured:
+    def __init__(self, **policy_kwargs: Any):
+        self.params = (AutoscalingParams(**{**DEFAULT_PARAMS.model_dump(), **policy_kwargs})
+                       if policy_kwargs else DEFAULT_PARAMS)
+
+
+class RouterPolicy(_Configured):
+    """`router_policy` with AutoscalingParams fields as policy_kwargs."""
+
+    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
+        return router_policy(ctx, self.params)
+
+
+class TargetPolicy(_Configured):
+    """`target_policy` with AutoscalingParams fields as policy_kwargs."""
+
+    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
+        return target_policy(ctx, self.params)
+
+
+class DraftPolicy(_Configured):
+    """`draft_policy` with AutoscalingParams fields as policy_kwargs."""
+
+    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
+        return draft_policy(ctx, self.params)
+
+
+class AppPolicy(_Configured):
+    """`app_policy` with AutoscalingParams fields as policy_kwargs."""
+
+    def __call__(self, contexts: dict[Any, "AutoscalingContext"]) -> tuple[dict[Any, int], dict[Any, dict]]:
+        return app_policy(contexts, self.params)
+
+
+# ---------------------------------------------------------------------------------------------
+# config helpers for the builder
+# ---------------------------------------------------------------------------------------------
+
+POLICY_PATHS = {
+    "router": f"{__name__}:RouterPolicy",
+    "target": f"{__name__}:TargetPolicy",
+    "draft": f"{__name__}:DraftPolicy",
+    "app": f"{__name__}:AppPolicy",
+}
+
+
+def policy_for(name: str, **policy_kwargs: Any):
+    """The Ray `AutoscalingPolicy` for a deployment name or role (Router/Target/Draft, any case),
+    running the class form so `policy_kwargs` (AutoscalingParams fields) take effect."""
+    from ray.serve.config import AutoscalingPolicy
+
+    role = name.lower()
+    if role not in ("router", "target", "draft"):
+        raise ValueError(f"no autoscaling policy for deployment {name!r}")
+    AutoscalingParams(**{**DEFAULT_PARAMS.model_dump(), **policy_kwargs})  # fail early on typos
+    return AutoscalingPolicy(policy_function=POLICY_PATHS[role], policy_kwargs=policy_kwargs)
+
+
+def autoscaling_config(role: str, *, min_replicas: int = 1, max_replicas: int = 1,
+                       policy_kwargs: dict[str, Any] | None = None, **overrides: Any):
+    """A Ray `AutoscalingConfig` running this module's policy for `role` (router/target/draft).
+
+    Ray's own upscale/downscale delays default to small values here because the policies keep
+    their own cooldown and downscale delay; any AutoscalingConfig field can be overridden.
+    """
+    from ray.serve.config import AutoscalingConfig
+
+    fields: dict[str, Any] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
+                              "upscale_delay_s": 2.0, "downscale_delay_s": 5.0}
+    fields.update(overrides)
+    return AutoscalingConfig(policy=policy_for(role, **(policy_kwargs or {})), **fields)
+
+
+def app_autoscaling_policy(**policy_kwargs: Any) -> dict[str, Any]:
+    """The `autoscaling_policy` entry of a Serve config application running `AppPolicy`."""
+    return {"policy_function": POLICY_PATHS["app"], "policy_kwargs": policy_kwargs}

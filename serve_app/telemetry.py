@@ -1,0 +1,352 @@
+"""OpenTelemetry tracing for the service: one switch, standard env vars, W3C context across actors.
+
+`setup_tracing(cfg)` installs, once per process, a TracerProvider with a
+ParentBased(TraceIdRatioBased(sampling_ratio)) sampler and one exporter:
+
+* "otlp": OTLP over HTTP/protobuf (opentelemetry-exporter-otlp-proto-http), batched;
+* "console": the SDK's ConsoleSpanExporter on stdout;
+* "jsonl": the SDK's ConsoleSpanExporter writing one compact JSON object per span (trace_id,
+  span_id, parent_id, name, times, attributes, resource, pid) to a file opened in append mode,
+  batched -- several processes (router, target, draft replicas) can share one file;
+* "memory": the SDK's InMemorySpanExporter (tests, debugging);
+* "none": nothing is installed and `tracer()` is the API's NoOpTracer, so instrumented code
+  costs a no-op call; hot paths can also test `tracing_enabled()` and skip span work entirely.
+
+Ray Serve has its own tracing (`RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH`): when that env var names
+`serve_app.telemetry:ray_serve_tracing_exporter`, Serve calls it (zero arguments, must be a plain
+function returning a list of SpanProcessor) in every replica and proxy, then installs its own
+TracerProvider with ParentBasedTraceIdRatio(RAY_SERVE_TRACING_SAMPLING_RATIO, default 0.01).
+`setup_tracing` in a process where a TracerProvider is already installed (Serve's) adopts it
+instead of fighting it -- only one provider can be global -- so our spans become children of
+Serve's request spans; it adds its exporter there unless Serve already got ours. Call
+`setup_tracing` in a deployment's constructor (after Serve's setup), not at import time.
+
+Plain Ray actors (e.g. tensor-parallel workers) are not Serve replicas: they can call
+`setup_tracing()` with no argument (config from the environment), e.g. through
+SPECDEC_TRACING_SETUP=serve_app.telemetry:setup_tracing as read by deployments/tracing.py.
+
+Trace context crosses Ray actor calls explicitly: the caller sends `inject_context()` (a dict
+holding the W3C `traceparent`/`tracestate` headers) with the request and the callee opens its
+span under `extract_context(carrier)` (or uses `span(name, carrier=...)`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+ExporterName = Literal["none", "console", "jsonl", "otlp", "memory"]
+_SCOPE = "specdec"
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class TracingConfig(BaseModel):
+    """Where spans go and how many traces are kept."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    exporter: ExporterName = Field(
+        "none", description="Span exporter: none (tracing off, no cost), console (stdout), jsonl "
+        "(JSON lines appended to `path`), otlp (OTLP http/protobuf) or memory (in-process list).")
+    path: str | None = Field(
+        None, description="File that the jsonl exporter appends to (required for jsonl).")
+    otlp_endpoint: str | None = Field(
+        None, description="Full OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces. None: "
+        "the exporter's own default / OTEL_EXPORTER_OTLP_* env handling.")
+    sampling_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="Fraction of new traces (root spans) sampled; spans "
+        "with a parent follow the parent's decision (ParentBased).")
+    service_name: str = Field(
+        "specdec", description="OpenTelemetry resource service.name.")
+    batch: bool | None = Field(
+        None, description="BatchSpanProcessor (True) or SimpleSpanProcessor (False). None: batch "
+        "for otlp and jsonl, simple for console and memory.")
+
+    @model_validator(mode="after")
+    def _path_for_jsonl(self) -> "TracingConfig":
+        if self.exporter == "jsonl" and not self.path:
+            raise ValueError("exporter 'jsonl' needs a path")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TracingConfig":
+        """Build from the environment.
+
+        SPECDEC_TRACING_EXPORTER (none|console|jsonl|otlp|memory) and SPECDEC_TRACING_PATH win;
+        otherwise standard OTel variables: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER
+        (otlp|console|none), and an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT alone selects otlp.
+        OTEL_TRACES_SAMPLER (always_on/off, [parentbased_]traceidratio) with
+        OTEL_TRACES_SAMPLER_ARG gives the ratio; OTEL_SERVICE_NAME the service name.
+        """
+        env = os.environ if environ is None else environ
+        get = lambda k: (env.get(k) or "").strip()  # noqa: E731
+
+        traces_ep = get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        base_ep = get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = traces_ep or (base_ep.rstrip("/") + "/v1/traces" if base_ep else None)
+
+        exporter = get("SPECDEC_TRACING_EXPORTER").lower()
+        if not exporter:
+            otel_exporter = get("OTEL_TRACES_EXPORTER").lower().split(",")[0].strip()
+            if get("OTEL_SDK_DISABLED").lower() == "true":
+                exporter = "none"
+            elif otel_exporter in ("otlp", "console", "none"):
+                exporter = otel_exporter
+            else:
+                exporter = "otlp" if endpoint else "none"
+
+        path = get("SPECDEC_TRACING_PATH") or None
+        if exporter == "jsonl" and not path:
+            path = os.path.join(tempfile.gettempdir(), "specdec-spans.jsonl")
+
+        return cls(exporter=exporter, path=path, otlp_endpoint=endpoint,
+                   sampling_ratio=_ratio_from_env(get("OTEL_TRACES_SAMPLER").lower(),
+                                                  get("OTEL_TRACES_SAMPLER_ARG")),
+                   service_name=get("OTEL_SERVICE_NAME") or "specdec")
+
+
+def _ratio_from_env(sampler: str, arg: str) -> float:
+    if sampler in ("always_off", "parentbased_always_off"):
+        return 0.0
+    if sampler in ("always_on", "parentbased_always_on"):
+        return 1.0
+    if not arg:
+        return 1.0
+    try:
+        ratio = float(arg)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        logger.warning("OTEL_TRACES_SAMPLER_ARG=%r is not a ratio in [0, 1]; using 1.0", arg)
+        return 1.0
+    return ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# exporters
+# ---------------------------------------------------------------------------------------------
+
+def span_to_json_line(span: Any) -> str:
+    """One compact JSON line for a finished SDK span (the jsonl exporter's formatter)."""
+    ctx = span.context
+    parent = span.parent
+    start, end = span.start_time, span.end_time
+    record = {
+        "name": span.name,
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_id": format(parent.span_id, "016x") if parent is not None else None,
+        "parent_remote": bool(parent.is_remote) if parent is not None else None,
+        "kind": span.kind.name,
+        "start_ns": start,
+        "end_ns": end,
+        "duration_ms": (end - start) / 1e6 if start is not None and end is not None else None,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "events": [{"name": e.name, "ts_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+                   for e in span.events],
+        "resource": dict(span.resource.attributes) if span.resource is not None else {},
+        "pid": os.getpid(),
+    }
+    return json.dumps(record, separators=(",", ":"), default=str) + "\n"
+
+
+class FileConsoleSpanExporter(ConsoleSpanExporter):
+    """The SDK's ConsoleSpanExporter writing to a file it owns: closes the file on shutdown."""
+
+    def shutdown(self) -> None:
+        if not self.out.closed:
+            self.out.flush()
+            self.out.close()
+
+
+_memory_exporter: Any = None
+
+
+def _make_exporter(cfg: TracingConfig) -> Any:
+    global _memory_exporter
+    if cfg.exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=cfg.otlp_endpoint)
+    if cfg.exporter == "console":
+        return ConsoleSpanExporter(service_name=cfg.service_name)
+    if cfg.exporter == "jsonl":
+        assert cfg.path is not None
+        directory = os.path.dirname(os.path.abspath(cfg.path))
+        os.makedirs(directory, exist_ok=True)
+        out = open(cfg.path, "a", encoding="utf-8")  # closed by the provider's shutdown (below)
+        return FileConsoleSpanExporter(out=out, formatter=span_to_json_line,
+                                        service_name=cfg.service_name)
+    if cfg.exporter == "memory":
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        _memory_exporter = InMemorySpanExporter()
+        return _memory_exporter
+    raise ValueError(f"no exporter for {cfg.exporter!r}")
+
+
+def make_span_processor(cfg: TracingConfig) -> Any:
+    """A span processor (batch or simple, see TracingConfig.batch) around cfg's exporter."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    exporter = _make_exporter(cfg)
+    batch = cfg.batch if cfg.batch is not None else cfg.exporter in ("otlp", "jsonl")
+    return BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+
+
+# ---------------------------------------------------------------------------------------------
+# process-wide setup
+# ---------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_config: TracingConfig | None = None  # the config setup_tracing ran with (None: not yet)
+_provider: Any = None  # the SDK TracerProvider our spans go to (None: tracing off)
+_owns_provider = False
+_tracer: Any = trace.get_tracer(_SCOPE)  # before setup: follows whatever is global
+_serve_processors_made = False  # ray_serve_tracing_exporter ran in this process
+
+
+def setup_tracing(cfg: TracingConfig | None = None) -> Any:
+    """Install tracing for this process (first call wins; later calls return the same provider).
+
+    `cfg` defaults to TracingConfig.from_env(). Returns the SDK TracerProvider in use, or None
+    when the exporter is "none".
+    """
+    global _config, _provider, _owns_provider, _tracer
+    cfg = cfg if cfg is not None else TracingConfig.from_env()
+    with _lock:
+        if _config is not None:
+            if cfg != _config:
+                logger.warning("tracing already set up with %r; ignoring %r", _config, cfg)
+            return _provider
+        _config = cfg
+        if cfg.exporter == "none":
+            _tracer = trace.NoOpTracer()
+            return None
+
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        existing = trace.get_tracer_provider()
+        if isinstance(existing, TracerProvider) and not getattr(existing, "_specdec_owned", False):
+            provider, _owns_provider = existing, False  # e.g. Ray Serve's: share it
+            if not _serve_processors_made:
+                provider.add_span_processor(make_span_processor(cfg))
+        else:
+            resource = Resource.create({SERVICE_NAME: cfg.service_name, "process.pid": os.getpid()})
+            provider = TracerProvider(resource=resource,
+                                      sampler=ParentBased(TraceIdRatioBased(cfg.sampling_ratio)))
+            provider._specdec_owned = True
+            provider.add_span_processor(make_span_processor(cfg))
+            _owns_provider = True
+            if isinstance(existing, trace.ProxyTracerProvider):
+                trace.set_tracer_provider(provider)  # so library instrumentation sees it too
+        _provider = provider
+        _tracer = provider.get_tracer(_SCOPE)
+        return provider
+
+
+def reset_tracing() -> None:
+    """Flush and shut down what setup_tracing installed and forget it (tests, reconfiguration).
+
+    OpenTelemetry lets the *global* provider be set once per process, so after a reset a new
+    setup's provider serves `tracer()` but not `opentelemetry.trace.get_tracer()`.
+    """
+    global _config, _provider, _owns_provider, _tracer, _memory_exporter
+    with _lock:
+        if _provider is not None and _owns_provider:
+            _provider.shutdown()
+        _config, _provider, _owns_provider = None, None, False
+        _memory_exporter = None
+        _tracer = trace.get_tracer(_SCOPE)
+
+
+def flush_tracing(timeout_millis: int = 5000) -> bool:
+    """Export buffered spans now (batch processors export in the background otherwise)."""
+    provider = _provider
+    return provider.force_flush(timeout_millis) if provider is not None else True
+
+
+def tracer() -> Any:
+    """The tracer to use; read it at use time (setup_tracing replaces it)."""
+    return _tracer
+
+
+def tracing_enabled() -> bool:
+    """True when spans are recorded somewhere (lets hot paths skip building attributes)."""
+    return _provider is not None or (
+        _config is None and not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider))
+
+
+def memory_exporter() -> Any:
+    """The InMemorySpanExporter of the "memory" exporter (None otherwise)."""
+    return _memory_exporter
+
+
+# ---------------------------------------------------------------------------------------------
+# context propagation
+# ---------------------------------------------------------------------------------------------
+
+def inject_context(context: Context | None = None) -> dict[str, str]:
+    """W3C trace-context carrier ({"traceparent": ..., maybe "tracestate": ...}) for the current
+    (or given) context; empty when no span is active or tracing is off."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str] | None) -> Context | None:
+    """The Context a carrier from `inject_context` describes (None for an empty carrier, which
+    makes span creation fall back to the current context)."""
+    if not carrier:
+        return None
+    return _PROPAGATOR.extract(carrier)
+
+
+@contextmanager
+def span(name: str, carrier: Mapping[str, str] | None = None,
+         attributes: Mapping[str, Any] | None = None, kind: Any = None) -> Iterator[Any]:
+    """Start a current span named `name`, continuing the trace in `carrier` if given."""
+    kwargs: dict[str, Any] = {"context": extract_context(carrier)}
+    if attributes:
+        kwargs["attributes"] = dict(attributes)
+    if kind is not None:
+        kwargs["kind"] = kind
+    with _tracer.start_as_current_span(name, **kwargs) as s:
+        yield s
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray Serve's built-in tracing hook
+# ---------------------------------------------------------------------------------------------
+
+def ray_serve_tracing_exporter():
+    """For RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH=serve_app.telemetry:ray_serve_tracing_exporter.
+
+    Ray Serve 2.60 imports this in each proxy and replica, checks it is a plain function with no
+    parameters, calls it and requires a list of SpanProcessor, which it adds to the
+    TracerProvider it installs (its sampler: RAY_SERVE_TRACING_SAMPLING_RATIO). The exporter
+    comes from TracingConfig.from_env() of that process; "none" yields no processors.
+    """
+    global _serve_processors_made
+    cfg = TracingConfig.from_env()
+    if cfg.exporter == "none":
+        logger.warning("RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH points at specdec but "
+                       "SPECDEC_TRACING_EXPORTER / OTEL_* select no exporter: spans are dropped")
+        return []
+    _serve_processors_made = True
+    return [make_span_processor(cfg)]

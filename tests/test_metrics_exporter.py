@@ -1,0 +1,246 @@
+"""RouterMetrics / LoadMeter with ray.serve.metrics replaced by strict fakes, and the Grafana
+dashboard checked against the metric definitions. No Ray cluster."""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from deployments import metrics as M
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "serve_app" / "grafana" / "specdec_dashboard.json"
+
+
+class FakeMetric:
+    """Mimics ray.util.metrics validation: tag keys must be declared and all given, values str,
+    counters only go up by > 0, histograms need positive boundaries."""
+
+    registry: dict[str, "FakeMetric"] = {}
+
+    def __init__(self, name, description="", tag_keys=None, boundaries=None):
+        assert tag_keys is None or isinstance(tag_keys, tuple)
+        self.name, self.description, self.tag_keys = name, description, tag_keys or ()
+        self.records: list[tuple[float, dict]] = []
+        FakeMetric.registry[name] = self
+
+    def _record(self, value, tags):
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (self.name, value)
+        tags = dict(tags or {})
+        assert set(tags) == set(self.tag_keys), (self.name, tags, self.tag_keys)
+        assert all(isinstance(v, str) for v in tags.values())
+        self.records.append((value, tags))
+
+    # helpers for assertions
+    def last(self, **tags) -> float:
+        matching = [v for v, t in self.records if t == tags]
+        assert matching, (self.name, tags)
+        return matching[-1]
+
+    def total(self, **tags) -> float:
+        return sum(v for v, t in self.records if all(t.get(k) == x for k, x in tags.items()))
+
+    def values(self) -> list[float]:
+        return [v for v, _ in self.records]
+
+
+class FakeCounter(FakeMetric):
+    def inc(self, value=1.0, tags=None):
+        if value <= 0:
+            raise ValueError(f"value must be >0, got {value}")
+        self._record(value, tags)
+
+
+class FakeGauge(FakeMetric):
+    def set(self, value, tags=None):
+        self._record(value, tags)
+
+
+class FakeHistogram(FakeMetric):
+    def __init__(self, name, description="", boundaries=None, tag_keys=None):
+        assert boundaries and all(b > 0 for b in boundaries) and list(boundaries) == sorted(boundaries)
+        super().__init__(name, description, tag_keys)
+        self.boundaries = boundaries
+
+    def observe(self, value, tags=None):
+        self._record(value, tags)
+
+
+class Clock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    import ray.serve.metrics as serve_metrics
+
+    FakeMetric.registry = {}
+    monkeypatch.setattr(serve_metrics, "Counter", FakeCounter)
+    monkeypatch.setattr(serve_metrics, "Gauge", FakeGauge)
+    monkeypatch.setattr(serve_metrics, "Histogram", FakeHistogram)
+    return FakeMetric.registry
+
+
+def test_every_metric_is_created_once_with_its_kind(fakes):
+    M.RouterMetrics()
+    assert set(fakes) == {s.name for s in M.METRICS}
+    kinds = {"counter": FakeCounter, "gauge": FakeGauge, "histogram": FakeHistogram}
+    for spec in M.METRICS:
+        assert type(fakes[spec.name]) is kinds[spec.kind] and spec.name.startswith("specdec_")
+        assert fakes[spec.name].tag_keys == spec.tag_keys
+
+
+def test_record_round_counts_and_gauges(fakes):
+    rm = M.RouterMetrics(clock=Clock())
+    rm.record_round(batch_size=3, num_draft=[4, 4, 0], num_accepted=[2, 4, 0], num_emitted=[3, 5, 1],
+                    draft_s=0.004, target_s=0.02, round_s=0.03)
+    f = fakes
+    assert f[M.GENERATED_TOKENS].total() == 9
+    assert f[M.DRAFT_TOKENS].total() == 8 and f[M.ACCEPTED_TOKENS].total() == 6
+    assert f[M.ACCEPTANCE_RATE].last() == pytest.approx(6 / 8)
+    assert f[M.MEAN_ACCEPTED_LENGTH].last() == pytest.approx((3 + 5 + 1) / 3)  # mean(accepted + 1)
+    positions = {j: f[M.POSITION_ACCEPTANCE].last(position=str(j)) for j in range(4)}
+    assert positions == {0: 1.0, 1: 1.0, 2: 0.5, 3: 0.5}
+    assert f[M.NUM_DRAFT_MEAN].last() == 4.0
+    assert sorted(f[M.NUM_DRAFT].values()) == [0, 4, 4]
+    assert f[M.BATCH_SIZE].values() == [3]
+    assert f[M.DRAFT_TIME].values() == [0.004] and f[M.TARGET_TIME].values() == [0.02]
+    assert f[M.ROUND_TIME].values() == [0.03]
+
+
+def test_round_without_drafts_records_no_zero_increments(fakes):
+    rm = M.RouterMetrics(clock=Clock())
+    rm.record_round(2, [0, 0], [0, 0], [0, 0], draft_s=0.0, target_s=0.01, round_s=0.012)
+    assert fakes[M.GENERATED_TOKENS].records == [] and fakes[M.DRAFT_TOKENS].records == []
+    assert fakes[M.DRAFT_TIME].records == []  # draft time only for rounds that drafted
+    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == 1.0
+    with pytest.raises(ValueError):
+        rm.record_round(2, [1], [0, 0], [1, 1], 0.0, 0.0, 0.0)
+
+
+def test_window_forgets_old_rounds(fakes):
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    rm.record_round(1, [4], [4], [5], 0.01, 0.02, 0.03)
+    assert fakes[M.ACCEPTANCE_RATE].last() == 1.0
+    clock.t += 5
+    rm.record_round(1, [4], [0], [1], 0.01, 0.02, 0.03)
+    assert fakes[M.ACCEPTANCE_RATE].last() == 0.5
+    clock.t += 6  # the first round is now older than the window
+    rm.record_round(1, [2], [0], [1], 0.01, 0.02, 0.03)
+    assert fakes[M.ACCEPTANCE_RATE].last() == 0.0
+    assert fakes[M.POSITION_ACCEPTANCE].last(position="0") == 0.0
+    assert rm.window_summary()["per_position_acceptance"] == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_queue_speculation_and_request_lifecycle(fakes):
+    rm = M.RouterMetrics(clock=Clock())
+    rm.record_queue(waiting=5, running=8)
+    rm.record_speculation(on=6, off=2)
+    rm.record_request_start()
+    rm.record_request_start()
+    rm.record_first_token(0.12)
+    rm.record_inter_token(0.03)
+    rm.record_request_end("stop", prompt_tokens=11, completion_tokens=20)
+    rm.record_request_end("length", prompt_tokens=0, completion_tokens=0)
+    rm.record_request_end("abort", prompt_tokens=3, completion_tokens=1)  # more ends than starts
+    f = fakes
+    assert f[M.QUEUE_WAITING].last() == 5 and f[M.QUEUE_RUNNING].last() == 8
+    assert f[M.SPECULATION_SEQUENCES].last(speculation="on") == 6
+    assert f[M.SPECULATION_SEQUENCES].last(speculation="off") == 2
+    assert f[M.REQUESTS_STARTED].total() == 2
+    assert {r: f[M.REQUESTS_FINISHED].total(finish_reason=r) for r in ("stop", "length", "abort")} == {
+        "stop": 1, "length": 1, "abort": 1}
+    assert f[M.PROMPT_TOKENS].total() == 14 and f[M.COMPLETION_TOKENS].total() == 21
+    assert f[M.REQUESTS_IN_FLIGHT].values() == [1, 2, 1, 0, 0]
+    assert f[M.TTFT].values() == [0.12] and f[M.ITL].values() == [0.03]
+
+
+def test_router_autoscaling_stats(fakes):
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    assert set(rm.autoscaling_stats()) == set(M.ROUTER_STATS_KEYS)
+    rm.record_queue(waiting=3, running=4)
+    rm.record_speculation(on=3, off=1)
+    clock.t += 2
+    rm.record_round(4, [4, 4, 2, 0], [1, 3, 2, 0], [2, 4, 3, 1], 0.01, 0.02, 0.04)
+    clock.t += 2
+    stats = rm.autoscaling_stats()
+    assert all(isinstance(v, float) for v in stats.values())
+    assert stats[M.ROUTER_ONGOING_REQUESTS] == 7 and stats[M.ROUTER_QUEUED_REQUESTS] == 3
+    assert stats[M.ROUTER_TOKENS_PER_S] == pytest.approx(10 / 4)  # 4 s old replica
+    assert stats[M.ROUTER_DRAFT_TOKENS_PER_S] == pytest.approx(10 / 4)
+    assert stats[M.ROUTER_ACCEPTANCE_RATE] == pytest.approx(6 / 10)
+    assert stats[M.ROUTER_SPECULATING_FRACTION] == 0.75
+    clock.t += 60  # window empty: rates fall to 0, acceptance keeps its last known value
+    stats = rm.autoscaling_stats()
+    assert stats[M.ROUTER_TOKENS_PER_S] == 0.0 and stats[M.ROUTER_ACCEPTANCE_RATE] == pytest.approx(0.6)
+
+
+def test_load_meter():
+    clock = Clock()
+    meter = M.LoadMeter(window_s=10.0, clock=clock)
+    clock.t += 2
+    meter.record(tokens=20, busy_s=0.5)
+    clock.t += 2
+    meter.record(tokens=20, busy_s=1.5)
+    assert meter.tokens_per_s() == pytest.approx(40 / 4) and meter.busy_fraction() == pytest.approx(0.5)
+    clock.t += 9  # the first record left the window
+    assert meter.tokens_per_s() == pytest.approx(20 / 10) and meter.busy_fraction() == pytest.approx(0.15)
+    clock.t += 20
+    assert meter.tokens_per_s() == 0.0 and meter.busy_fraction() == 0.0
+
+
+def test_real_ray_metric_classes_accept_every_definition():
+    # No cluster: Ray's metric objects still validate names, tags and boundaries locally.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an invalid name is only a warning in Ray
+        rm = M.RouterMetrics()
+    rm.record_round(2, [3, 0], [1, 0], [2, 1], 0.01, 0.02, 0.03)
+    rm.record_queue(1, 2)
+    rm.record_speculation(1, 1)
+    rm.record_request_start()
+    rm.record_first_token(0.1)
+    rm.record_inter_token(0.01)
+    rm.record_request_end("stop", 5, 6)
+
+
+# --- dashboard ------------------------------------------------------------------------------------
+
+def test_dashboard_covers_every_metric():
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    text = "\n".join(exprs)
+    tokens = set(re.findall(r"\bray_specdec_[a-z0-9_]+", text))
+    for spec in M.METRICS:
+        assert M.prometheus_series(spec) in tokens, f"{spec.name} has no panel"
+    # and no query refers to a series that does not exist
+    valid = set()
+    for spec in M.METRICS:
+        base = f"ray_{spec.name}"
+        valid |= {"counter": {base + "_total"}, "gauge": {base},
+                  "histogram": {base + "_bucket", base + "_sum", base + "_count"}}[spec.kind]
+    assert tokens <= valid, tokens - valid
+    assert "ray_serve_deployment_replica_healthy" in text
+
+
+def test_dashboard_is_importable_grafana_json():
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert dash["uid"] and dash["title"] and dash.get("id") is None
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["datasource"] == "${datasource}" and p["targets"]
+            for t in p["targets"]:
+                assert t["datasource"] == "${datasource}" and t["expr"].count("(") == t["expr"].count(")")
+                assert t["expr"].count("{") == t["expr"].count("}")

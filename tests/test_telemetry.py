@@ -1,0 +1,216 @@
+"""Tracing setup: jsonl spans with parent links, W3C context across a real process boundary,
+"none" installing nothing, sampling, env parsing and Ray Serve's exporter hook. No Ray cluster."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from serve_app import telemetry as T
+from serve_app.telemetry import TracingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_tracing():
+    T.reset_tracing()
+    yield
+    T.reset_tracing()
+
+
+def run_python(code: str, env: dict[str, str] | None = None, args: list[str] = ()) -> str:
+    """Run `code` in a fresh interpreter (its own process, own OTel globals)."""
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("OTEL_", "SPECDEC_TRACING", "RAY_SERVE_TRACING"))}
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO,
+                         env=full_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def read_spans(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_jsonl_exporter_writes_parseable_spans_with_parent_links(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    provider = T.setup_tracing(TracingConfig(exporter="jsonl", path=str(path), service_name="svc"))
+    assert provider is not None and T.setup_tracing(TracingConfig(exporter="memory")) is provider
+    with T.span("request", attributes={"request.id": "r1", "prompt_tokens": 7}):
+        with T.span("round") as round_span:
+            round_span.set_attribute("k", 4)
+    assert T.flush_tracing()
+    spans = {s["name"]: s for s in read_spans(path)}
+    assert set(spans) == {"request", "round"}
+    req, rnd = spans["request"], spans["round"]
+    assert rnd["trace_id"] == req["trace_id"] and len(req["trace_id"]) == 32
+    assert rnd["parent_id"] == req["span_id"] and req["parent_id"] is None
+    assert req["attributes"] == {"request.id": "r1", "prompt_tokens": 7} and rnd["attributes"] == {"k": 4}
+    assert req["pid"] == os.getpid() and req["resource"]["process.pid"] == os.getpid()
+    assert req["resource"]["service.name"] == "svc"
+    assert req["duration_ms"] >= rnd["duration_ms"] >= 0
+
+
+def test_context_round_trips_across_a_process_boundary(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    T.setup_tracing(TracingConfig(exporter="jsonl", path=str(path)))
+    child_code = """
+        import json, sys
+        from serve_app import telemetry as T
+        T.setup_tracing()  # from env: jsonl into the same file, new roots never sampled
+        assert T.tracer().start_span("unrelated_root").is_recording() is False
+        with T.span("remote_child", carrier=json.loads(sys.argv[1])) as s:
+            assert s.is_recording()  # ParentBased: follows the sampled remote parent
+        T.flush_tracing()
+    """
+    with T.span("router_round") as parent:
+        carrier = T.inject_context()
+        assert set(carrier) >= {"traceparent"}
+        run_python(child_code, args=[json.dumps(carrier)],
+                   env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path),
+                        "OTEL_TRACES_SAMPLER_ARG": "0"})
+    T.flush_tracing()
+    spans = {s["name"]: s for s in read_spans(path)}
+    assert set(spans) == {"router_round", "remote_child"}
+    child, par = spans["remote_child"], spans["router_round"]
+    ctx = parent.get_span_context()
+    version, trace_id, span_id, flags = carrier["traceparent"].split("-")
+    assert (version, trace_id, span_id) == ("00", f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+    assert int(flags, 16) & 0x01  # sampled (OTel 1.45 also sets 0x02, W3C level-2 "random")
+    assert child["trace_id"] == par["trace_id"] and child["parent_id"] == par["span_id"]
+    assert child["parent_remote"] is True and child["pid"] != par["pid"]
+
+
+def test_extract_of_empty_carrier_is_none():
+    assert T.extract_context(None) is None and T.extract_context({}) is None
+    assert T.inject_context() == {}  # no active span
+
+
+def test_none_installs_nothing_and_costs_nothing():
+    out = run_python("""
+        import time
+        from opentelemetry import trace
+        from serve_app import telemetry as T
+        assert T.setup_tracing(T.TracingConfig(exporter="none")) is None
+        assert type(trace.get_tracer_provider()) is trace.ProxyTracerProvider
+        assert isinstance(T.tracer(), trace.NoOpTracer) and not T.tracing_enabled()
+        with T.span("x", attributes={"a": 1}) as s:
+            assert not s.is_recording()
+            assert T.inject_context() == {}
+        n = 20000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with T.span("hot"):
+                pass
+        per_span_us = (time.perf_counter() - t0) / n * 1e6
+        t0 = time.perf_counter()
+        for _ in range(n):
+            T.inject_context()
+        per_inject_us = (time.perf_counter() - t0) / n * 1e6
+        print(per_span_us, per_inject_us)
+    """)
+    per_span_us, per_inject_us = map(float, out.split())
+    assert per_span_us < 100 and per_inject_us < 100  # a no-op: a few us even on a busy CPU
+
+
+def test_sampling_ratio_zero_drops_new_traces_but_follows_sampled_parents():
+    T.setup_tracing(TracingConfig(exporter="memory", sampling_ratio=0.0))
+    exporter = T.memory_exporter()
+    for _ in range(50):
+        with T.span("dropped") as s:
+            assert not s.is_recording()
+    assert exporter.get_finished_spans() == ()
+    sampled_parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    with T.span("continued", carrier=sampled_parent):
+        pass
+    (kept,) = exporter.get_finished_spans()
+    assert kept.name == "continued" and format(kept.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_sampling_ratio_one_keeps_everything():
+    T.setup_tracing(TracingConfig(exporter="memory", sampling_ratio=1.0))
+    for _ in range(20):
+        with T.span("kept"):
+            pass
+    assert len(T.memory_exporter().get_finished_spans()) == 20
+
+
+def test_from_env():
+    assert TracingConfig.from_env({}).exporter == "none"
+    cfg = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/",
+                                  "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_SERVICE_NAME": "llm"})
+    assert (cfg.exporter, cfg.otlp_endpoint, cfg.sampling_ratio, cfg.service_name) == (
+        "otlp", "http://collector:4318/v1/traces", 0.25, "llm")
+    cfg = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/custom",
+                                  "OTEL_EXPORTER_OTLP_ENDPOINT": "http://ignored:4318"})
+    assert cfg.otlp_endpoint == "http://c:4318/custom"
+    cfg = TracingConfig.from_env({"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": "/x.jsonl",
+                                  "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    assert (cfg.exporter, cfg.path) == ("jsonl", "/x.jsonl")
+    assert TracingConfig.from_env({"SPECDEC_TRACING_EXPORTER": "jsonl"}).path.endswith("specdec-spans.jsonl")
+    assert TracingConfig.from_env({"OTEL_TRACES_SAMPLER": "always_off"}).sampling_ratio == 0.0
+    assert TracingConfig.from_env({"OTEL_TRACES_SAMPLER_ARG": "7"}).sampling_ratio == 1.0  # invalid
+    assert TracingConfig.from_env({"OTEL_TRACES_EXPORTER": "console"}).exporter == "console"
+    assert TracingConfig.from_env({"OTEL_SDK_DISABLED": "true",
+                                   "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).exporter == "none"
+    with pytest.raises(ValueError):
+        TracingConfig(exporter="jsonl")
+    with pytest.raises(ValueError):
+        TracingConfig(exporter="otlp", sampling_ratio=1.5)
+
+
+def test_otlp_exporter_is_the_http_protobuf_one():
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    processor = T.make_span_processor(TracingConfig(exporter="otlp",
+                                                    otlp_endpoint="http://127.0.0.1:9/v1/traces"))
+    try:
+        assert isinstance(processor, BatchSpanProcessor)
+        assert isinstance(processor._batch_processor._exporter, OTLPSpanExporter)
+    finally:
+        processor.shutdown()
+
+
+def test_ray_serve_exporter_hook_passes_serves_checks(monkeypatch):
+    from opentelemetry.sdk.trace import SpanProcessor
+    from ray.serve._private.tracing_utils import _load_span_processors
+
+    path = "serve_app.telemetry:ray_serve_tracing_exporter"
+    monkeypatch.setenv("SPECDEC_TRACING_EXPORTER", "memory")
+    processors = _load_span_processors(path, "unused_file_name")  # exactly what Serve does
+    assert len(processors) == 1 and isinstance(processors[0], SpanProcessor)
+    monkeypatch.setenv("SPECDEC_TRACING_EXPORTER", "none")
+    assert _load_span_processors(path, "unused_file_name") == []
+
+
+def test_setup_adopts_ray_serve_provider_without_duplicate_export(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    run_python("""
+        from ray.serve._private import tracing_utils as serve_tracing
+        from ray.serve.schema import TracingConfig as ServeTracingConfig
+        from serve_app import telemetry as T
+        ok = serve_tracing.setup_tracing("Router", "replica-1", tracing_config=ServeTracingConfig(
+            enabled=True, exporter_import_path="serve_app.telemetry:ray_serve_tracing_exporter",
+            sampling_ratio=1.0))
+        assert ok
+        provider = T.setup_tracing()  # in the deployment constructor
+        from opentelemetry import trace
+        assert provider is trace.get_tracer_provider()
+        with serve_tracing.TraceContextManager("proxy_request"):
+            with T.span("router_round"):
+                pass
+        T.flush_tracing()
+    """, env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path)})
+    spans = read_spans(path)
+    assert sorted(s["name"] for s in spans) == ["proxy_request", "router_round"]  # once each
+    by_name = {s["name"]: s for s in spans}
+    assert by_name["router_round"]["parent_id"] == by_name["proxy_request"]["span_id"]
