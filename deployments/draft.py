@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from deployments.tracing import ensure_provider
 from deployments.common import RateWindow, replica_id, set_torch_threads
 from specdec.loader import parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch
@@ -51,6 +52,7 @@ class DraftDeployment:
         self.lock = threading.Lock()
         self.proposed = RateWindow()
         self.id = replica_id()
+        ensure_provider()
         log.info("draft replica %s ready (%s)", self.id, c.proposer)
 
     def propose(self, batch: SpecBatch, pin: str | None = None) -> tuple[str, DraftOutput]:

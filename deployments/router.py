@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+from deployments.tracing import ensure_provider
 from deployments.common import RateWindow, replica_id
 from deployments.tracing import inject, span
 from specdec.loader import load_tokenizer
@@ -104,6 +105,7 @@ class SpecRouter:
         self.accepted_rate = RateWindow()
         self.metrics = self._make_metrics()
         self.id = replica_id()
+        ensure_provider()
 
     def _make_metrics(self):
         try:
@@ -268,6 +270,10 @@ class SpecRouter:
         if self.metrics:
             self.metrics.record_round(len(plan.seqs), list(draft.num_draft), list(verify.num_accepted), emitted,
                                       draft_s, target_s, round_s)
+            running = [s for l in self.lanes for s in l.scheduler.running]
+            on = sum(1 for s in running if s.adaptive and s.adaptive.off_rounds == 0)
+            self.metrics.record_queue(len(self.queue), len(running))
+            self.metrics.record_speculation(on, len(running) - on)
             for s, e in zip(plan.seqs, emitted):
                 if e and s.first_token_time is not None and s.num_output == e:
                     self.metrics.record_first_token(s.first_token_time - s.arrival)

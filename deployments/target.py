@@ -19,6 +19,7 @@ import ray
 import torch
 from pydantic import BaseModel, Field
 
+from deployments.tracing import ensure_provider
 from deployments.common import RateWindow, replica_id, set_torch_threads
 from specdec.loader import load_model, parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
@@ -128,6 +129,7 @@ class TargetDeployment:
         self.lock = threading.Lock()
         self.tokens = RateWindow()
         self.id = replica_id()
+        ensure_provider()
         log.info("target replica %s ready (tp=%d, %s)", self.id, self.cfg.tp, self.cfg.dtype)
 
     def _start_workers(self) -> list:

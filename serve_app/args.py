@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, model_validator
 from deployments.draft import DraftConfig
 from deployments.router import RouterConfig
 from deployments.target import TargetConfig
+from serve_app.telemetry import TracingConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -64,13 +65,15 @@ class AppArgs(BaseModel):
     max_router_replicas: int = Field(2, ge=1, description="Upper bound for router replicas when autoscaling.")
     lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
+    tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables.")
 
     @model_validator(mode="before")
     @classmethod
     def _parse_cli_strings(cls, data):
         """`serve run ... api={"max_n":8}` passes strings: parse JSON for nested fields."""
-        if isinstance(data, dict) and isinstance(data.get("api"), str):
-            data = {**data, "api": json.loads(data["api"])}
+        for key in ("api", "tracing"):
+            if isinstance(data, dict) and isinstance(data.get(key), str):
+                data = {**data, key: json.loads(data[key])}
         if isinstance(data, dict) and data.get("draft") in ("", "none", "None"):
             data = {**data, "draft": None}
         return data
@@ -102,6 +105,20 @@ class AppArgs(BaseModel):
     def total_lanes(self) -> int:
         """Running batches the targets can hold at most (every lane needs a target's cache slots)."""
         return self.lanes_per_target * (self.max_target_replicas if self.autoscaling else self.target_replicas)
+
+    def tracing_env(self) -> dict[str, str]:
+        """Environment for every replica (and TP worker) so that each installs the same tracing."""
+        t = self.tracing
+        if t is None:
+            return {"SPECDEC_TRACING_SETUP": "serve_app.telemetry:setup_tracing"}
+        env = {"SPECDEC_TRACING_SETUP": "serve_app.telemetry:setup_tracing", "SPECDEC_TRACING_EXPORTER": t.exporter,
+               "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(t.sampling_ratio),
+               "OTEL_SERVICE_NAME": t.service_name}
+        if t.path:
+            env["SPECDEC_TRACING_PATH"] = t.path
+        if t.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = t.otlp_endpoint
+        return env
 
     def target_bundles(self) -> list[dict]:
         """Placement-group bundles of one target replica: one per tensor-parallel rank."""

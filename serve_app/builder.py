@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import RequestRouterConfig
 
 from deployments.affinity import REQUEST_ROUTER_PATH
 from deployments.draft import DraftDeployment
@@ -26,9 +26,13 @@ def _scaling(args: AppArgs, name: str, initial: int, upper: int) -> dict:
     """num_replicas, or an autoscaling config with the project's policy for `name`."""
     if not args.autoscaling:
         return {"num_replicas": initial}
-    from serve_app.autoscaling import policy_for
-    return {"autoscaling_config": AutoscalingConfig(
-        min_replicas=1, initial_replicas=initial, max_replicas=max(upper, initial), policy=policy_for(name))}
+    from serve_app.autoscaling import autoscaling_config
+    return {"autoscaling_config": autoscaling_config(name, min_replicas=1, max_replicas=max(upper, initial),
+                                                     initial_replicas=initial)}
+
+
+def _actor_options(args: AppArgs, num_cpus: float, num_gpus: float = 0) -> dict:
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": {"env_vars": args.tracing_env()}}
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application:
@@ -39,7 +43,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
     bundles = a.target_bundles()
     target = serve.deployment(
         TargetDeployment, name="Target",
-        ray_actor_options={"num_cpus": bundles[0]["CPU"], "num_gpus": bundles[0].get("GPU", 0)},
+        ray_actor_options=_actor_options(a, bundles[0]["CPU"], bundles[0].get("GPU", 0)),
         **({"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"} if a.tp > 1 else {}),
         max_ongoing_requests=4 * a.lanes_per_target, health_check_period_s=5, health_check_timeout_s=30,
         request_router_config=affinity,
@@ -50,12 +54,12 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
     if dcfg is not None:
         draft = serve.deployment(
             DraftDeployment, name="Draft",
-            ray_actor_options={"num_cpus": a.draft_cpus, "num_gpus": 1 if a.device == "cuda" else 0},
+            ray_actor_options=_actor_options(a, a.draft_cpus, 1 if a.device == "cuda" else 0),
             max_ongoing_requests=8 * a.lanes_per_target, request_router_config=affinity,
             **_scaling(a, "Draft", a.draft_replicas, a.max_draft_replicas),
         ).bind(dcfg.model_dump())
     router = serve.deployment(
-        OpenAIRouter, name="Router", ray_actor_options={"num_cpus": a.router_cpus},
+        OpenAIRouter, name="Router", ray_actor_options=_actor_options(a, a.router_cpus),
         max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=4 * a.max_queued_sequences,
         **_scaling(a, "Router", a.router_replicas, a.max_router_replicas),
     ).bind(a.router_config().model_dump(), a.api.model_dump(), draft, target)
