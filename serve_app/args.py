@@ -30,7 +30,8 @@ class ApiConfig(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a chat request gives none.")
     max_stop: int = Field(16, ge=1, description="Most stop strings per request.")
     max_stop_len: int = Field(256, ge=1, description="Longest stop string.")
-    require_api_key: bool = Field(False, description="Require `Authorization: Bearer <key>`; keys from SPECDEC_API_KEYS or SPECDEC_API_KEYS_FILE.")
+    require_api_key: bool = Field(False, description="Require `Authorization: Bearer <key>`; keys from SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE or api_keys_file.")
+    api_keys_file: str | None = Field(None, description="File with one API key per line ('#' comments), read by each router replica; the keys themselves never enter the app's config.")
 
 
 class AppArgs(BaseModel):
@@ -63,6 +64,7 @@ class AppArgs(BaseModel):
     max_target_replicas: int = Field(4, ge=1, description="Upper bound for target replicas when autoscaling.")
     max_draft_replicas: int = Field(4, ge=1, description="Upper bound for draft replicas when autoscaling.")
     max_router_replicas: int = Field(2, ge=1, description="Upper bound for router replicas when autoscaling.")
+    autoscaling_policy_kwargs: dict = Field(default_factory=dict, description="Overrides of serve_app.autoscaling.AutoscalingParams (capacities, thresholds, delays).")
     lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
     tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables.")

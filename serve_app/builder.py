@@ -28,7 +28,8 @@ def _scaling(args: AppArgs, name: str, initial: int, upper: int) -> dict:
         return {"num_replicas": initial}
     from serve_app.autoscaling import autoscaling_config
     return {"autoscaling_config": autoscaling_config(name, min_replicas=1, max_replicas=max(upper, initial),
-                                                     initial_replicas=initial)}
+                                                     initial_replicas=initial,
+                                                     policy_kwargs=args.autoscaling_policy_kwargs)}
 
 
 def _actor_options(args: AppArgs, num_cpus: float, num_gpus: float = 0) -> dict:

@@ -49,15 +49,18 @@ def demo_model(demo_dir):
 
 # ---- Ray: one local cluster per test session, started only when a test needs it ---------------
 SERVE_PORT = int(os.environ.get("SPECDEC_TEST_PORT", "8123"))
+METRICS_PORT = SERVE_PORT + 1  # Ray's Prometheus export port for this session's cluster
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("SPECDEC_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")  # faster scaling tests
     import ray
     from ray import serve
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
     yield f"http://127.0.0.1:{SERVE_PORT}"
     serve.shutdown()

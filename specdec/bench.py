@@ -1,0 +1,226 @@
+"""Engine benchmark: plain decoding vs speculation (n-gram, self-draft, a draft checkpoint) on the
+demo target, at batch 1 and with 8 concurrent sequences, plus HF transformers as the peer.
+
+    python -m specdec.bench [--dtype float32|bfloat16] [--max-tokens 128] [--draft PATH]
+
+Prompts are of two kinds: chat questions (chat template) and Python code completion taken from
+the standard library's own source. Greedy decoding; every speculative run's output is checked
+against plain decoding in the same dtype. For each row the table gives tokens/s, acceptance rate
+a, mean accepted length, the measured cost ratio c (draft step time / plain target step time),
+the theoretical bound S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), the measured speedup over plain
+decoding at the same batch size (measured in the same run) and measured / bound.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from specdec.adaptive import speedup_bound
+from specdec.engine import EngineConfig, LLMEngine
+from specdec.loader import load_hf_model, load_model, load_tokenizer, parse_dtype
+from specdec.prompts import encode_chat
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.sampling import SamplingParams
+from specdec.target import TargetWorker
+
+CHAT = ["What is the capital of France?", "Explain what a hash table is in two sentences.",
+        "Write a Python function that reverses a string.", "What does the zip builtin do in Python?",
+        "Give three tips for writing readable code.", "How do I read a file line by line in Python?",
+        "What is the difference between a list and a tuple?", "Summarize what recursion is."]
+
+
+def code_prompts(n: int = 8) -> list[str]:
+    """Openings of standard-library functions: signature + docstring, the model continues."""
+    import json.encoder
+    import shlex
+    import textwrap
+    out = []
+    for mod in (textwrap, shlex, json.encoder):
+        for name, fn in inspect.getmembers(mod, inspect.isfunction):
+            if fn.__module__ != mod.__name__ or not fn.__doc__:
+                continue
+            src = inspect.getsource(fn)
+            head = src[: src.find('"""', src.find('"""') + 3) + 3] if '"""' in src else src[:200]
+            out.append(head + "\n")
+            if len(out) == n:
+                return out
+    return out
+
+
+@dataclass
+class Row:
+    name: str
+    batch: int
+    k: int
+    tokens: int
+    seconds: float
+    acceptance: float = 0.0
+    mean_len: float = 1.0
+    c: float = 0.0
+    identical: bool | None = None
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds
+
+
+def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True):
+    eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
+                    EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
+                                 speculate=proposer is not None and k > 0))
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    if warm:
+        eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+        eng.scheduler.stats = type(eng.stats)()
+    t0 = time.perf_counter()
+    seqs = eng.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    return [s.output_ids for s in seqs], dt, eng.stats
+
+
+def cost_ratio(stats, plain_step: float) -> float:
+    steps = stats.draft_time / max(1, stats.spec_row_rounds) if stats.spec_row_rounds else 0.0
+    return steps / plain_step if plain_step else 0.0
+
+
+def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar) -> list[Row]:
+    """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured."""
+    rows = []
+    base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
+    plain_step = st.target_time / st.rounds
+    rows.append(Row("plain", batch, 0, sum(map(len, base)), dt))
+    bar.update()
+    for name, make in [("ngram", lambda: NgramProposer())] + [
+            (n, (lambda f=f: f(batch))) for n, f in drafts]:
+        for k in ks:
+            out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens)
+            per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
+            rows.append(Row(f"{name}", batch, k, sum(map(len, out)), dt, st.acceptance_rate,
+                            st.mean_accepted_length, per_step / plain_step, out == base))
+            bar.update()
+        out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True)
+        rows.append(Row(f"{name} adaptive", batch, -1, sum(map(len, out)), dt, st.acceptance_rate,
+                        st.mean_accepted_length, 0.0, out == base))
+        bar.update()
+    return rows
+
+
+def bench_hf(target: str, tok, prompts, max_tokens, dtype, ks, bar) -> list[Row]:
+    """HF transformers generate at batch 1: plain, prompt lookup, assisted by a 4-layer self-draft."""
+    hf = load_hf_model(target).to(dtype)
+    draft = load_hf_model(target).to(dtype)
+    draft.model.layers = draft.model.layers[:4]
+    draft.config.num_hidden_layers = 4
+    rows = []
+    configs = [("HF plain", {})] + [(f"HF prompt lookup", {"prompt_lookup_num_tokens": k}) for k in ks] + [
+        ("HF assisted (4-layer self-draft)", {"assistant_model": draft})]
+    for name, kw in configs:
+        total, secs = 0, 0.0
+        for p in prompts:
+            ids = torch.tensor([p])
+            hf.generate(ids, max_new_tokens=2, do_sample=False, **kw)
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False, **kw)
+            secs += time.perf_counter() - t0
+            total += out.shape[1] - ids.shape[1]
+        rows.append(Row(name, 1, kw.get("prompt_lookup_num_tokens", 0), total, secs))
+        bar.update()
+    return rows
+
+
+def print_table(rows: list[Row], plain: dict[int, float]) -> None:
+    print(f"\n| config | batch | k | tokens/s | accept a | mean acc. len | c | bound S | speedup | measured/bound | same output |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        sp = r.tps / plain[r.batch] if r.batch in plain else float("nan")
+        if r.k > 0 and r.acceptance < 1:
+            bound = speedup_bound(r.acceptance, r.k, r.c)
+            mb = f"{sp / bound:.2f}"
+            bound_s = f"{bound:.2f}"
+        else:
+            bound_s, mb = "-", "-"
+        k = "adapt" if r.k < 0 else str(r.k)
+        same = "-" if r.identical is None else ("yes" if r.identical else "NO")
+        acc = f"{r.acceptance:.2f}" if r.k != 0 else "-"
+        print(f"| {r.name} | {r.batch} | {k} | {r.tps:.1f} | {acc} | {r.mean_len:.2f} | {r.c:.3f} | {bound_s} | "
+              f"{sp:.2f}x | {mb} | {same} |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--draft", default=None, help="a draft checkpoint with the target's tokenizer")
+    ap.add_argument("--self-draft-layers", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ks", default="2,4", help="fixed k values to measure")
+    ap.add_argument("--kinds", default="chat,code")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per kind")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = parse_dtype(a.dtype)
+    tok = load_tokenizer(a.target)
+    model = load_model(a.target, dtype=dtype)
+    self_draft = model.first_layers(a.self_draft_layers)
+    drafts = [(f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048))]
+    if a.draft:
+        from specdec.proposers import build_proposer
+        dp = {b: build_proposer("draft", draft=a.draft, dtype=dtype, num_slots=b) for b in (1, 8)}
+        drafts.append(("draft", lambda b: dp[b]))
+    ks = [int(x) for x in a.ks.split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
+             "code": [tok(p).input_ids for p in code_prompts(a.prompts)]}
+    per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1
+    total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
+    bar = tqdm(total=total, desc="benchmark")
+    print(f"target={a.target} dtype={a.dtype} max_tokens={a.max_tokens} threads={torch.get_num_threads()}")
+    for kind in a.kinds.split(","):
+        prompts = kinds[kind]
+        rows, plain = [], {}
+        for b in batches:
+            if b == 1:  # batch 1: the prompts one after another
+                for group in [prompts]:
+                    rs = []
+                    for p in group:
+                        rs.append(bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null()))
+                    merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
+                    bar.update(per_batch)
+            else:
+                merged = bench_engine(model, tok, prompts[:b], drafts, ks, b, a.max_tokens, bar)
+            plain[b] = merged[0].tps
+            rows += merged
+        if not a.no_hf:
+            rows += bench_hf(a.target, tok, prompts, a.max_tokens, dtype, ks, bar)
+        print(f"\n### {kind} prompts ({len(prompts)}), greedy, {a.max_tokens} new tokens, {a.dtype}")
+        print_table(rows, plain)
+    bar.close()
+
+
+class _Null:
+    def update(self, *_):
+        pass
+
+
+def _merge(rows: list[Row]) -> Row:
+    """Combine per-prompt rows of one config (batch 1): sums, token-weighted rates."""
+    r0 = rows[0]
+    tokens = sum(r.tokens for r in rows)
+    w = [r.tokens / tokens for r in rows]
+    return Row(r0.name, r0.batch, r0.k, tokens, sum(r.seconds for r in rows),
+               sum(r.acceptance * x for r, x in zip(rows, w)), sum(r.mean_len * x for r, x in zip(rows, w)),
+               sum(r.c * x for r, x in zip(rows, w)),
+               None if r0.identical is None else all(r.identical for r in rows))
+
+
+if __name__ == "__main__":
+    main()
