@@ -144,6 +144,10 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     extra = resolve_extra(spec)
     if extra:
         model.extra = extra
+        if extra.get("draft_vocab"):  # reduced draft head (FR-Spec): keep only the draft_vocab rows
+            w = model.lm_head.weight[torch.tensor(extra["draft_vocab"], dtype=torch.long)]
+            model.lm_head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            model.lm_head.weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
     return model.to(device)
 
 
