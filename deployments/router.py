@@ -11,14 +11,25 @@ that hold its KV caches, see deployments/affinity.py). Each lane loops over roun
     scheduler.commit(...)                                    # append + stops, wake consumers
 
 and sequences join and leave between rounds. A new lane opens when every lane is full (its first
-call goes unpinned, so it lands on the least-loaded replica: scale-out is used). Failures:
-a failing draft call makes the lane run plain rounds for a while (output unchanged: greedy is
-lossless either way); a failing target call is retried on another replica, which re-prefills
-the lane's sequences from the router's copy of their tokens, until `retry_deadline_s`.
+call goes unpinned, so it lands on the least-loaded replica: scale-out is used). Lanes run in a
+context of their own: they outlive the request that opened them, so their calls are not Serve
+child requests of it (which Serve cancels when that client disconnects).
+
+Admission: lanes x max_batch_size rows (sized to the targets' KV-cache slots, allocated up front)
+plus `max_queued_sequences` waiting; a request that fits in neither gets `Overloaded` (503 +
+Retry-After), so accepted work is bounded by memory that is already there.
+
+Failures: a failing (or, past `draft_timeout_s`, silent) draft call makes the lane run plain
+rounds for a while (output unchanged: greedy is lossless either way); a lost target replica
+(actor died, or `TargetFault`: its tensor-parallel group broke) is retried on another replica,
+which re-prefills the lane's sequences from the router's copy of their tokens, until
+`retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503.
+A lane that fails or is cancelled fails its sequences, so no request waits forever.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
@@ -29,6 +40,7 @@ from pydantic import BaseModel, Field
 
 from deployments.tracing import ensure_provider
 from deployments.common import RateWindow, replica_id
+from deployments.target import TargetFault
 from deployments.tracing import inject, span
 from specdec.loader import load_tokenizer
 from specdec.metadata import DraftOutput
@@ -56,6 +68,16 @@ class RouterConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output).")
     retry_deadline_s: float = Field(60.0, gt=0, description="How long a lane retries a failing target before failing its requests.")
     draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
+    draft_timeout_s: float = Field(10.0, gt=0, description="A draft call slower than this counts as failed (e.g. no draft replica up).")
+
+
+def _short(e: BaseException) -> str:
+    """`Type: first line` of an exception, unwrapping Ray's task errors (whose text is a traceback)."""
+    from ray.exceptions import RayTaskError
+    if isinstance(e, RayTaskError) and e.cause is not None:
+        e = e.cause
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 class RequestFailed(Exception):
@@ -134,9 +156,22 @@ class SpecRouter:
                                adaptive=c.adaptive)
 
     # ---- request side -------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """Sequences the lanes can run at once (lanes x batch: the targets' KV-cache slots)."""
+        return self.cfg.max_lanes * self.cfg.max_batch_size
+
+    def _room(self) -> int:
+        """Rows free now: in open lanes and in lanes not opened yet."""
+        free = sum(max(0, self.cfg.max_batch_size - l.load) for l in self.lanes)
+        return free + max(0, self.cfg.max_lanes - len(self.lanes)) * self.cfg.max_batch_size
+
     def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[Sequence]:
-        """Queue one sequence per params entry (n samples of one prompt). Raises Overloaded."""
-        if len(self.queue) + len(params) > self.cfg.max_queued_sequences:
+        """Queue one sequence per params entry (n samples of one prompt). Raises Overloaded when
+        they fit neither in free lane rows nor in the bounded queue."""
+        if len(params) > self.capacity() + self.cfg.max_queued_sequences:
+            raise RequestFailed(f"too many sequences in one request ({len(params)}); this server runs at most "
+                                f"{self.capacity() + self.cfg.max_queued_sequences}", 400)
+        if len(self.queue) + len(params) > self.cfg.max_queued_sequences + self._room():
             raise Overloaded()
         seqs = [Sequence(list(prompt_ids), p, frozenset(self.eos_ids)) for p in params]
         for s in seqs:
@@ -167,7 +202,9 @@ class SpecRouter:
                 for lane in self.lanes:
                     if lane.scheduler.abort(seq.seq_id):
                         break
-        self.events.pop(seq.seq_id, None)
+        ev = self.events.pop(seq.seq_id, None)
+        if ev is not None:
+            ev.set()  # wake a waiter that is still parked on it
         self.errors.pop(seq.seq_id, None)
         if self.metrics:
             self.metrics.record_request_end(seq.finish_reason or "abort", seq.prompt_len, seq.num_output)
@@ -181,7 +218,9 @@ class SpecRouter:
                                   proposer_has_model=True))
             self.lanes.append(lane)
             self._fill(lane)
-            lane.task = asyncio.get_running_loop().create_task(self._run_lane(lane))
+            # A fresh context: the lane outlives the request that opened it, so its Draft/Target
+            # calls must not be Serve child requests of it (cancelled when that client hangs up).
+            lane.task = asyncio.get_running_loop().create_task(self._run_lane(lane), context=contextvars.Context())
 
     def _fill(self, lane: Lane) -> None:
         while self.queue and lane.load < self.cfg.max_batch_size:
@@ -198,8 +237,10 @@ class SpecRouter:
                 await self._round(lane)
         except Exception as e:  # noqa: BLE001 - fail this lane's sequences, keep the replica
             log.exception("lane failed")
-            self._fail_lane(lane, RequestFailed(f"internal error: {e}", 500))
+            self._fail_lane(lane, RequestFailed(f"internal error: {_short(e)}", 500))
         finally:
+            if lane.scheduler.has_work:  # cancelled (replica shutting down): no request may hang
+                self._fail_lane(lane, RequestFailed("request cancelled: the server is shutting down", 503))
             self.lanes.remove(lane)
             await self._flush_releases(lane)
             if self.queue:
@@ -226,9 +267,9 @@ class SpecRouter:
             calls.append(self.draft.release.remote(dids, pin=lane.draft_pin))
         for c in calls:
             try:
-                await c
+                await asyncio.wait_for(c, timeout=self.cfg.draft_timeout_s)
             except Exception as e:  # noqa: BLE001 - a dead replica has nothing to free
-                log.warning("release failed: %s", e)
+                log.warning("release failed: %r", e)
 
     async def _round(self, lane: Lane) -> None:
         sched = lane.scheduler
@@ -287,12 +328,14 @@ class SpecRouter:
         batch.release = lane.pending_draft_release + list(batch.release)
         lane.pending_draft_release = []
         try:
-            rid, out = await self.draft.propose.remote(batch, pin=lane.draft_pin)
+            rid, out = await asyncio.wait_for(self.draft.propose.remote(batch, pin=lane.draft_pin),
+                                              timeout=self.cfg.draft_timeout_s)
             lane.draft_pin = rid
             return out, True
         except Exception as e:  # noqa: BLE001 - draft loss only costs speed: run a plain round
-            log.warning("draft call failed (%s); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
-            lane.draft_pin = None
+            # The pin stays: a live replica keeps (and later frees) the lane's draft state; a dead
+            # one is no longer a candidate and the affinity router picks another.
+            log.warning("draft call failed (%r); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
             lane.draft_down_until = time.monotonic() + self.cfg.draft_backoff_s
             for s in lane.scheduler.running:
                 s.draft_offset = 0  # whichever replica serves next must get the full context
@@ -311,14 +354,21 @@ class SpecRouter:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release = release
             try:
-                rid, out = await self.target.verify.remote(tb, draft, pin=lane.target_pin)
+                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin),
+                                                  timeout=max(0.1, deadline - time.monotonic()))
                 lane.target_pin = rid
                 return out
-            except (RayActorError, ActorUnavailableError) as e:
+            except asyncio.TimeoutError:  # e.g. no target replica came up: give up, keep the pin
+                self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
+                                                    f"{self.cfg.retry_deadline_s:.0f}s", 503))
+                return None
+            except (RayActorError, ActorUnavailableError, TargetFault) as e:
+                # TargetFault: a replica whose tensor-parallel group broke (a worker died); it
+                # fails its health check and Serve replaces it.
                 if time.monotonic() > deadline:
-                    self._fail_lane(lane, RequestFailed(f"target unavailable: {e}", 503))
+                    self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
                     return None
-                log.warning("target replica lost (%s); re-prefilling the lane elsewhere", e)
+                log.warning("target replica lost (%s); re-prefilling the lane elsewhere", _short(e))
                 lane.target_pin = None
                 for s in plan.seqs:
                     s.target_offset = 0
@@ -330,7 +380,8 @@ class SpecRouter:
     def engine_stats(self) -> dict:
         d = self.stats.to_dict()
         d.update(lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
-                 running=sum(len(l.scheduler.running) for l in self.lanes))
+                 running=sum(len(l.scheduler.running) for l in self.lanes),
+                 tasks=len(asyncio.all_tasks()))  # debug: asyncio tasks of this replica (leak checks)
         return d
 
     def record_autoscaling_stats(self) -> dict:

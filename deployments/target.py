@@ -5,6 +5,11 @@ with STRICT_PACK), starts `tp - 1` `TPWorker` actors in the other bundles, and a
 torch.distributed group (gloo on CPU, NCCL on GPU). Every rank loads the model and keeps its
 Megatron shard (`specdec.tp.apply_tp`). A verify call runs the same forward on every rank
 (rank 0 sends the inputs to the workers), and only rank 0 samples and keeps sequence state.
+
+A group is only as alive as its ranks: when a forward fails in a group (a worker died, a
+collective broke), the replica marks itself broken, answers every later verify with
+`TargetFault` (the router retries the lane on another replica) and fails its health check, so
+Serve replaces the whole group.
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ from specdec.target import TargetWorker
 from specdec.tp import apply_tp
 
 log = logging.getLogger("ray.serve")
+
+
+class TargetFault(RuntimeError):
+    """This target replica cannot serve (its tensor-parallel group is broken): retry elsewhere."""
 
 
 class TargetConfig(BaseModel):
@@ -127,6 +136,7 @@ class TargetDeployment:
             model = TPGroupModel(model, self.workers)
         self.worker = TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden)
         self.lock = threading.Lock()
+        self.broken: str | None = None  # why the TP group cannot serve any more
         self.tokens = RateWindow()
         self.id = replica_id()
         ensure_provider()
@@ -159,7 +169,16 @@ class TargetDeployment:
                 from deployments.tracing import inject
                 self.worker.model.trace_carrier = inject()
             t0 = time.perf_counter()
-            out = self.worker.verify(batch, draft)
+            if self.broken:
+                raise TargetFault(f"target replica {self.id} is broken: {self.broken}")
+            try:
+                out = self.worker.verify(batch, draft)
+            except Exception as e:
+                if self.workers and self._group_broken(e):
+                    self.broken = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                    log.error("tensor-parallel group broken (%s); failing health checks until replaced", self.broken)
+                    raise TargetFault(f"target replica {self.id} is broken: {self.broken}") from None
+                raise
             n = sum(len(t) for t in out.tokens)
             self.tokens.add(n, time.perf_counter() - t0)
             sp.set(emitted=n, accepted=sum(out.num_accepted), unknown=len(out.unknown))
@@ -178,8 +197,20 @@ class TargetDeployment:
         """The TP worker actors (for fault-injection tests and debugging)."""
         return list(self.workers)
 
+    def _group_broken(self, e: Exception) -> bool:
+        """After a failed forward: is the group unusable (a rank gone, or the collective itself failed)?"""
+        if isinstance(e, ray.exceptions.RayError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
+            return True
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=5)
+            return False
+        except Exception:  # noqa: BLE001 - dead or unresponsive rank
+            return True
+
     def check_health(self) -> None:
         """Fail (so Serve replaces this replica) when a tensor-parallel worker is gone."""
+        if self.broken:
+            raise TargetFault(f"tensor-parallel group broken: {self.broken}")
         if self.workers:
             ray.get([w.ping.remote() for w in self.workers], timeout=10)
 

@@ -3,7 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /stats (the router's speculation statistics). Every error is OpenAI's error
 body with a 4xx/5xx status; overload answers 503 with Retry-After. Bodies are read up to
-`api.max_body_bytes` (413 beyond). Optional Bearer-token auth compares keys in constant time.
+`api.max_body_bytes` (413 beyond). Optional Bearer-token auth compares keys in constant time
+(keys from SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE or the file `api.api_keys_file`).
 Request logs carry ids, sizes and timings, never prompts or keys (SPECDEC_DEBUG_LOG_PROMPTS=1
 adds prompts for debugging).
 """
@@ -40,10 +41,14 @@ class OpenAIRouter(SpecRouter):
     def __init__(self, router_config: dict, api_config: dict, draft_handle, target_handle):
         super().__init__(router_config, draft_handle, target_handle)
         self.api = ApiConfig(**api_config)
-        self.api_keys = [k.encode() for k in constants.load_api_keys()]
+        keys = constants.load_api_keys()
+        if self.api.api_keys_file:
+            with open(self.api.api_keys_file, encoding="utf-8") as f:
+                keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        self.api_keys = [k.encode() for k in keys]
         if self.api.require_api_key and not self.api_keys:
-            raise ValueError(f"require_api_key is set but no keys in ${constants.API_KEYS_ENV} "
-                             f"or ${constants.API_KEYS_FILE_ENV}")
+            raise ValueError(f"require_api_key is set but no keys in ${constants.API_KEYS_ENV}, "
+                             f"${constants.API_KEYS_FILE_ENV} or api.api_keys_file")
         self.vocab_size = len(self.tokenizer)
         self.routes = {
             ("POST", "/v1/completions"): self._completions,
@@ -83,7 +88,8 @@ class OpenAIRouter(SpecRouter):
             return JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(e.retry_after)})
         except RequestFailed as e:
             status = e.status
-            return JSONResponse(APIError(str(e), status=e.status).body(), status_code=e.status)
+            err = APIError(str(e), status=e.status)
+            return JSONResponse(err.body(), status_code=e.status, headers=_retry_after(err))
         except (ClientDisconnect, asyncio.CancelledError):
             status = 499
             raise

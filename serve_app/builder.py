@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from deployments.affinity import REQUEST_ROUTER_PATH
 from deployments.draft import DraftDeployment
@@ -46,7 +46,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
         TargetDeployment, name="Target",
         ray_actor_options=_actor_options(a, bundles[0]["CPU"], bundles[0].get("GPU", 0)),
         **({"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"} if a.tp > 1 else {}),
-        max_ongoing_requests=4 * a.lanes_per_target, health_check_period_s=5, health_check_timeout_s=30,
+        max_ongoing_requests=4 * a.lanes_per_target, health_check_period_s=2, health_check_timeout_s=30,
         request_router_config=affinity,
         **_scaling(a, "Target", a.target_replicas, a.max_target_replicas),
     ).bind(a.target_config().model_dump())
@@ -61,7 +61,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
         ).bind(dcfg.model_dump())
     router = serve.deployment(
         OpenAIRouter, name="Router", ray_actor_options=_actor_options(a, a.router_cpus),
-        max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=4 * a.max_queued_sequences,
+        # The router sheds load itself (503 + Retry-After, OpenAI body) when its lanes and queue are
+        # full; Serve's own queue at the proxy is the last guard against a flood of connections.
+        max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=max(64, 4 * a.max_queued_sequences),
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         **_scaling(a, "Router", a.router_replicas, a.max_router_replicas),
     ).bind(a.router_config().model_dump(), a.api.model_dump(), draft, target)
     return router

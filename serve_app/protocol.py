@@ -192,6 +192,9 @@ def validation_error_to_api_error(exc: ValidationError) -> APIError:
     return APIError(message, status=400, param=param)
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -210,6 +213,12 @@ def _load_json_object(raw: bytes | str) -> dict[str, Any]:
         raise APIError(f"Invalid JSON body: {e}") from None
     if not isinstance(data, dict):
         raise APIError(f"Invalid JSON body: expected a JSON object, got {_json_kind(data)}.")
+    if _SURROGATE_ESCAPE.search(raw):  # valid pairs decode to one code point; lone halves stay
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError("Invalid JSON body: a string holds an unpaired UTF-16 surrogate escape "
+                           "(\\ud800-\\udfff), which is not valid Unicode.") from None
     return data
 
 
