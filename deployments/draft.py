@@ -55,8 +55,9 @@ class DraftDeployment:
         ensure_provider()
         log.info("draft replica %s ready (%s)", self.id, c.proposer)
 
-    def propose(self, batch: SpecBatch, pin: str | None = None) -> tuple[str, DraftOutput]:
-        """Drafts for a batch; `pin` is read by the affinity request router only."""
+    def propose(self, batch: SpecBatch, pin: str | None = None,
+                avoid: list[str] | None = None) -> tuple[str, DraftOutput]:
+        """Drafts for a batch; `pin`/`avoid` are read by the affinity request router only."""
         from deployments.tracing import span
         with self.lock, span("draft.propose", batch.trace_context, rows=len(batch), k=batch.max_draft) as sp:
             t0 = time.perf_counter()

@@ -125,6 +125,7 @@ class SpecRouter:
         self.tokens_rate = RateWindow()
         self.draft_rate = RateWindow()
         self.accepted_rate = RateWindow()
+        self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
         self.metrics = self._make_metrics()
         self.id = replica_id()
         ensure_provider()
@@ -302,6 +303,8 @@ class SpecRouter:
             await asyncio.sleep(0.05)
 
     def _account(self, plan, draft, verify, emitted, draft_s, target_s, round_s) -> None:
+        self.resyncs["draft"] += len(draft.unknown)
+        self.resyncs["target"] += len(verify.unknown)
         self.tokens_rate.add(sum(emitted))
         self.draft_rate.add(sum(draft.num_draft))
         self.accepted_rate.add(sum(verify.num_accepted))
@@ -321,6 +324,13 @@ class SpecRouter:
                 elif e:
                     self.metrics.record_inter_token(round_s / e)
 
+    def _avoid(self, lane: Lane, attr: str) -> list[str]:
+        """For a lane's first (unpinned) call: replicas other lanes already use, so that lanes
+        spread over replicas (and a scaled-out replica gets the next lane)."""
+        if getattr(lane, attr):
+            return []
+        return [p for l in self.lanes if l is not lane and (p := getattr(l, attr))]
+
     async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
         if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:
             lane.pending_draft_release += batch.release  # deliver with the next draft call
@@ -328,7 +338,8 @@ class SpecRouter:
         batch.release = lane.pending_draft_release + list(batch.release)
         lane.pending_draft_release = []
         try:
-            rid, out = await asyncio.wait_for(self.draft.propose.remote(batch, pin=lane.draft_pin),
+            rid, out = await asyncio.wait_for(self.draft.propose.remote(batch, pin=lane.draft_pin,
+                                                                        avoid=self._avoid(lane, "draft_pin")),
                                               timeout=self.cfg.draft_timeout_s)
             lane.draft_pin = rid
             return out, True
@@ -354,7 +365,8 @@ class SpecRouter:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release = release
             try:
-                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin),
+                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin,
+                                                                            avoid=self._avoid(lane, "target_pin")),
                                                   timeout=max(0.1, deadline - time.monotonic()))
                 lane.target_pin = rid
                 return out
@@ -381,7 +393,9 @@ class SpecRouter:
         d = self.stats.to_dict()
         d.update(lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
                  running=sum(len(l.scheduler.running) for l in self.lanes),
-                 tasks=len(asyncio.all_tasks()))  # debug: asyncio tasks of this replica (leak checks)
+                 tasks=len(asyncio.all_tasks()),
+                 draft_resyncs=self.resyncs["draft"], target_resyncs=self.resyncs["target"],
+                 lane_targets=[l.target_pin for l in self.lanes], lane_drafts=[l.draft_pin for l in self.lanes])  # debug: asyncio tasks of this replica (leak checks)
         return d
 
     def record_autoscaling_stats(self) -> dict:

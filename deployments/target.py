@@ -161,8 +161,9 @@ class TargetDeployment:
         ray.get(refs)
         return workers
 
-    def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None) -> tuple[str, VerifyOutput]:
-        """One round for a batch; `pin` is read by the affinity request router only."""
+    def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None,
+               avoid: list[str] | None = None) -> tuple[str, VerifyOutput]:
+        """One round for a batch; `pin`/`avoid` are read by the affinity request router only."""
         from deployments.tracing import span
         with self.lock, span("target.verify", batch.trace_context, rows=len(batch), tp=self.cfg.tp) as sp:
             if self.workers:

@@ -247,7 +247,7 @@ class _FakeTarget:
         self.calls = 0
         self.verify, self.release = _Method(self._verify), _Method(self._release)
 
-    async def _verify(self, batch, draft, pin=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None):
         self.calls += 1
         if self.hang:
             await asyncio.Event().wait()
@@ -364,7 +364,7 @@ class _FlakyDraft:
         self.down = False
         self.propose, self.release = _Method(self._propose), _Method(self._release)
 
-    async def _propose(self, batch, pin=None):
+    async def _propose(self, batch, pin=None, avoid=None):
         import ray.exceptions
         self.calls += 1
         if self.down:

@@ -82,3 +82,25 @@ def test_missing_model_fails_clearly(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         resolve(tmp_path / "weights.bin")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_llama_families_match_transformers(family, tmp_path):
+    """Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and Mistral checkpoints load and match transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(family, vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    model.setup_cache(1, 64)
+    ids = [5, 17, 42, 99, 3, 250, 7]
+    with torch.inference_mode():
+        logits, _ = model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), n_logits=len(ids))
+        ref = hf.eval()(torch.tensor([ids])).logits[0]
+    assert torch.allclose(logits[0], ref, atol=1e-4)

@@ -169,3 +169,32 @@ def test_builder_refuses_bad_args(tiny_dir, tmp_path):
         build_app({"target": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="max_model_len"):
         build_app({"target": str(tiny_dir), "max_model_len": 100000})
+
+
+def test_lanes_spread_over_replicas_and_keep_affinity(ray_cluster, tiny_dir):
+    """Two target replicas, one sequence per lane: the second lane goes to the other replica, and
+    every round of a lane reaches the replica that holds its KV cache (no re-prefill)."""
+    url = deploy("affine", {"target": str(tiny_dir), "proposer": "ngram", "max_model_len": 512, "target_replicas": 2,
+                            "lanes_per_target": 1, "max_batch_size": 1, "target_cpus": 0.25})
+    model = tiny_dir.name
+    solo = [_complete(url, model, p, n_tokens=40)["choices"][0]["text"] for p in PROMPTS[:2]]
+    pins = set()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            first = asyncio.create_task(c.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": PROMPTS[0], "max_tokens": 40, **GREEDY}))
+            while not any(httpx.get(f"{url}/stats").json()["lane_targets"]):
+                await asyncio.sleep(0.05)  # lane 1 is pinned
+            second = asyncio.create_task(c.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": PROMPTS[1], "max_tokens": 40, **GREEDY}))
+            while not (first.done() and second.done()):
+                pins.update(p for p in httpx.get(f"{url}/stats").json()["lane_targets"] if p)
+                await asyncio.sleep(0.05)
+            return [r.json()["choices"][0]["text"] for r in (await first, await second)]
+    assert asyncio.run(run()) == solo
+    assert len(pins) == 2  # the lanes used both replicas
+    stats = httpx.get(f"{url}/stats").json()
+    assert stats["target_resyncs"] == 0 and stats["draft_resyncs"] == 0
+    from ray import serve
+    serve.delete("affine")
