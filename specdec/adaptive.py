@@ -5,7 +5,8 @@ probability a, a round with k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens
 k*c + v(k) target-step units, where c is the measured draft-step / target-step cost ratio and
 v(k) the measured cost of verifying k+1 positions relative to one. Each sequence keeps a decayed
 estimate of a (accepted draft tokens / Bernoulli trials, a rejection ending the trials of its
-round) and picks the k in 0..k_max that maximizes E(k) / cost(k). k = 0 -- plain decoding, the
+round) and picks the k in 0..k_max that maximizes E(k) / cost(k), with costs measured for the
+current batch size (verification is cheap at batch 1, dear at large batches). k = 0 -- plain decoding, the
 same loop -- wins when no k gives an expected speedup above 1; after `probe_interval` rounds off,
 one round probes with the best k >= 1 so a sequence whose text turned predictable comes back.
 """
@@ -37,41 +38,63 @@ def speedup_bound(a: float, k: int, c: float) -> float:
 
 
 class CostModel:
-    """Measured costs: draft step time and target round time by number of draft tokens (EMA)."""
+    """Measured costs per batch size B: target round time by max draft length K, draft step time.
 
-    def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.05, ema: float = 0.1):
-        self.ema = ema
-        self.draft_step: float | None = None
-        self.target: dict[int, float] = {}
+    All EMAs. A verify over K+1 positions per row costs t(B, K) / t(B, 0) plain rounds: cheap
+    where the target is memory-bound (batch 1, bf16), expensive where it is compute-bound (large
+    batches in float32), so the right k depends on B. t(B, 0) is re-measured by an occasional
+    plain round (`needs_plain_round`); unmeasured K are interpolated from measured ones.
+    """
+
+    def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.05, ema: float = 0.2,
+                 recalibrate_every: int = 64):
+        self.ema, self.recalibrate_every = ema, recalibrate_every
+        self.draft_step: dict[int, float] = {}  # B -> seconds per draft forward
+        self.target: dict[tuple[int, int], float] = {}  # (B, K) -> seconds per target round
+        self.plain_seen: dict[int, int] = {}  # B -> round index of the last plain round
+        self.rounds = 0
         self.prior_c, self.prior_slope = prior_c, prior_verify_slope
 
-    def observe(self, k_max: int, draft_time: float, draft_steps: int, target_time: float) -> None:
-        def upd(old, new):
-            return new if old is None else (1 - self.ema) * old + self.ema * new
+    def _upd(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def observe(self, k_max: int, draft_time: float, draft_steps: int, target_time: float, batch: int = 1) -> None:
+        self.rounds += 1
         if draft_steps > 0:
-            self.draft_step = upd(self.draft_step, draft_time / draft_steps)
-        self.target[k_max] = upd(self.target.get(k_max), target_time)
+            self.draft_step[batch] = self._upd(self.draft_step.get(batch), draft_time / draft_steps)
+        self.target[(batch, k_max)] = self._upd(self.target.get((batch, k_max)), target_time)
+        if k_max == 0:
+            self.plain_seen[batch] = self.rounds
 
-    @property
-    def base(self) -> float | None:
-        return self.target.get(0) or (min(self.target.values()) if self.target else None)
+    def needs_plain_round(self, batch: int) -> bool:
+        """True when t(B, 0) is unknown or stale: the next round should be plain to measure it."""
+        seen = self.plain_seen.get(batch)
+        return seen is None or self.rounds - seen >= self.recalibrate_every
 
-    @property
-    def c(self) -> float:
-        """Draft step cost / target step cost."""
-        if self.draft_step is None or not self.base:
+    def c(self, batch: int = 1) -> float:
+        """Draft step cost / plain target round cost at batch size B."""
+        base, step = self.target.get((batch, 0)), self.draft_step.get(batch)
+        if not base or step is None:
             return self.prior_c
-        return self.draft_step / self.base
+        return step / base
 
-    def verify_cost(self, k: int) -> float:
-        """Cost of verifying k drafts relative to a plain step (>= 1)."""
-        base = self.base
-        if k in self.target and base and 0 in self.target:
-            return max(1.0, self.target[k] / base)
+    def verify_cost(self, k: int, batch: int = 1) -> float:
+        """Cost of a round whose rows verify k drafts, relative to a plain round (>= 1)."""
+        base = self.target.get((batch, 0))
+        if k == 0:
+            return 1.0
+        if base:
+            known = sorted((kk, t) for (b, kk), t in self.target.items() if b == batch and kk > 0)
+            if known:
+                exact = dict(known)
+                if k in exact:
+                    return max(1.0, exact[k] / base)
+                kk, t = min(known, key=lambda x: abs(x[0] - k))  # nearest measured K, linear in k
+                return max(1.0, 1.0 + (t / base - 1.0) * k / kk)
         return 1.0 + self.prior_slope * k
 
-    def round_cost(self, k: int, has_model: bool = True) -> float:
-        return (k * self.c if has_model else 0.0) + self.verify_cost(k)
+    def round_cost(self, k: int, has_model: bool = True, batch: int = 1) -> float:
+        return (k * self.c(batch) if has_model else 0.0) + self.verify_cost(k, batch)
 
 
 class AdaptiveK:
@@ -96,18 +119,18 @@ class AdaptiveK:
         self.succ = d * self.succ + accepted
         self.trials = d * self.trials + accepted + (1 if accepted < proposed else 0)
 
-    def best(self, cost: CostModel, has_model: bool, k_min: int = 0) -> tuple[int, float]:
+    def best(self, cost: CostModel, has_model: bool, k_min: int = 0, batch: int = 1) -> tuple[int, float]:
         a = self.acceptance
-        scores = [(expected_tokens(a, k) / cost.round_cost(k, has_model), k)
+        scores = [(expected_tokens(a, k) / cost.round_cost(k, has_model, batch), k)
                   for k in range(k_min, self.cfg.k_max + 1)]
         s, k = max(scores)
         return k, s
 
-    def choose(self, cost: CostModel, has_model: bool = True) -> int:
+    def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1) -> int:
         """k for the next round (no state change: `update` records what ran)."""
-        k, s = self.best(cost, has_model)
+        k, s = self.best(cost, has_model, batch=batch)
         if k > 0 and s > self.cfg.min_speedup:
             return k
         if self.off_rounds + 1 >= self.cfg.probe_interval:  # probe: measure acceptance again
-            return self.best(cost, has_model, k_min=1)[0]
+            return self.best(cost, has_model, k_min=1, batch=batch)[0]
         return 0

@@ -4,8 +4,9 @@ demo target, at batch 1 and with 8 concurrent sequences, plus HF transformers as
     python -m specdec.bench [--dtype float32|bfloat16] [--max-tokens 128] [--draft PATH]
 
 Prompts are of two kinds: chat questions (chat template) and Python code completion taken from
-the standard library's own source. Greedy decoding; every speculative run's output is checked
-against plain decoding in the same dtype. For each row the table gives tokens/s, acceptance rate
+the standard library's own source. Greedy decoding of a fixed number of tokens (EOS ignored, so
+every configuration does the same work); every speculative run's output is checked against plain
+decoding in the same dtype. For each row the table gives tokens/s, acceptance rate
 a, mean accepted length, the measured cost ratio c (draft step time / plain target step time),
 the theoretical bound S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), the measured speedup over plain
 decoding at the same batch size (measured in the same run) and measured / bound.
@@ -73,7 +74,7 @@ def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=Fal
     eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
                                  speculate=proposer is not None and k > 0))
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # fixed length: fair tokens/s
     if warm:
         eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
         eng.scheduler.stats = type(eng.stats)()
@@ -125,7 +126,7 @@ def bench_hf(target: str, tok, prompts, max_tokens, dtype, ks, bar) -> list[Row]
             ids = torch.tensor([p])
             hf.generate(ids, max_new_tokens=2, do_sample=False, **kw)
             t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False, **kw)
+            out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, **kw)
             secs += time.perf_counter() - t0
             total += out.shape[1] - ids.shape[1]
         rows.append(Row(name, 1, kw.get("prompt_lookup_num_tokens", 0), total, secs))
@@ -138,7 +139,7 @@ def print_table(rows: list[Row], plain: dict[int, float]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sp = r.tps / plain[r.batch] if r.batch in plain else float("nan")
-        if r.k > 0 and r.acceptance < 1:
+        if r.k > 0 and r.acceptance < 1 and not r.name.startswith("HF"):
             bound = speedup_bound(r.acceptance, r.k, r.c)
             mb = f"{sp / bound:.2f}"
             bound_s = f"{bound:.2f}"
@@ -146,7 +147,7 @@ def print_table(rows: list[Row], plain: dict[int, float]) -> None:
             bound_s, mb = "-", "-"
         k = "adapt" if r.k < 0 else str(r.k)
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
-        acc = f"{r.acceptance:.2f}" if r.k != 0 else "-"
+        acc = f"{r.acceptance:.2f}" if r.k != 0 and not r.name.startswith("HF") else "-"
         print(f"| {r.name} | {r.batch} | {k} | {r.tps:.1f} | {acc} | {r.mean_len:.2f} | {r.c:.3f} | {bound_s} | "
               f"{sp:.2f}x | {mb} | {same} |")
 
@@ -196,7 +197,8 @@ def main(argv=None) -> None:
                     merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
                     bar.update(per_batch)
             else:
-                merged = bench_engine(model, tok, prompts[:b], drafts, ks, b, a.max_tokens, bar)
+                batch_prompts = (prompts * b)[:b]  # b concurrent sequences (prompts reused if fewer)
+                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar)
             plain[b] = merged[0].tps
             rows += merged
         if not a.no_hf:

@@ -36,6 +36,7 @@ class SchedulerConfig:
 class RoundPlan:
     seqs: list[Sequence]
     draft_batch: SpecBatch
+    prefill: bool = False  # some row brings a prompt (or a resent context): timings are not a step's
 
 
 class Scheduler:
@@ -83,15 +84,18 @@ class Scheduler:
         return out
 
     # ---- planning ---------------------------------------------------------------------------
-    def choose_k(self, seq: Sequence) -> int:
+    def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False) -> int:
         req = seq.params.num_speculative_tokens
         if not self.cfg.speculate:
             k = 0
         elif req is not None:
             k = min(req, self.cfg.k_max)
         elif self.cfg.adaptive:
-            cost = self.cost if seq.params.seed is None or seq.params.greedy else self.seeded_cost
-            k = seq.adaptive.choose(cost, self.proposer_has_model)
+            seeded = seq.params.seed is not None and not seq.params.greedy
+            if calibrate and not seeded:
+                return 0  # a plain round that measures t(B, 0) for the cost model
+            cost = self.seeded_cost if seeded else self.cost
+            k = seq.adaptive.choose(cost, self.proposer_has_model, batch)
         else:
             k = self.cfg.k_max
         return max(0, min(k, seq.remaining - 1))
@@ -102,7 +106,9 @@ class Scheduler:
         if not self.running:
             return None
         seqs = list(self.running)
-        ks = [self.choose_k(s) for s in seqs]
+        B = len(seqs)
+        calibrate = self.cfg.speculate and self.cfg.adaptive and self.cost.needs_plain_round(B)
+        ks = [self.choose_k(s, B, calibrate) for s in seqs]
         K = max(ks)
         uniforms = torch.zeros(len(seqs), 3, K + 1, dtype=torch.float64)
         for i, (s, k) in enumerate(zip(seqs, ks)):
@@ -123,6 +129,7 @@ class Scheduler:
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
+        plan.prefill = plan.prefill or any(s.target_offset < len(s.tokens) for s in seqs)
         return plan.draft_batch.with_side(
             [s.target_offset for s in seqs], [s.tokens[s.target_offset:] for s in seqs],
             num_draft=list(draft.num_draft))
@@ -151,7 +158,8 @@ class Scheduler:
             self.stats.observe_row(k, m, len(emitted))
         self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
         # wall times as the loop paid them (in the service they include the deployment hops)
-        self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps, target_time)
+        if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
+            self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps, target_time, len(seqs))
         done = [s for s in seqs if s.finished]
         for s in done:
             if s in self.running:
