@@ -45,6 +45,7 @@ from deployments.tracing import inject, span
 from specdec.loader import load_tokenizer
 from specdec.metadata import DraftOutput
 from specdec.sampling import SamplingParams
+from specdec.adaptive import CostModel
 from specdec.scheduler import Scheduler, SchedulerConfig
 from specdec.sequence import Sequence
 from specdec.stats import SpecStats
@@ -65,6 +66,7 @@ class RouterConfig(BaseModel):
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: cap of the adaptive k and of per-request k (runtime).")
     adaptive: bool = Field(True, description="Adapt k per sequence to its acceptance (runtime).")
     speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
+    proposer_has_model: bool = Field(True, description="Drafting costs a model forward (False for n-gram lookup): enters the adaptive cost model.")
     max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output).")
     retry_deadline_s: float = Field(60.0, gt=0, description="How long a lane retries a failing target before failing its requests.")
     draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
@@ -125,6 +127,8 @@ class SpecRouter:
         self.tokens_rate = RateWindow()
         self.draft_rate = RateWindow()
         self.accepted_rate = RateWindow()
+        self.cost = CostModel()  # measured costs by batch size, shared by all lanes (they outlive none)
+        self.proposer_has_model = self.cfg.proposer_has_model
         self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
         self.metrics = self._make_metrics()
         self.id = replica_id()
@@ -216,7 +220,7 @@ class SpecRouter:
             self._fill(lane)
         while self.queue and len(self.lanes) < self.cfg.max_lanes:
             lane = Lane(Scheduler(self._sched_cfg(), self.tokenizer, self.eos_ids,
-                                  proposer_has_model=True))
+                                  proposer_has_model=self.proposer_has_model, cost=self.cost))
             self.lanes.append(lane)
             self._fill(lane)
             # A fresh context: the lane outlives the request that opened it, so its Draft/Target

@@ -149,7 +149,8 @@ class AppArgs(BaseModel):
                             max_lanes=max(1, self.total_lanes // self.router_replicas),
                             max_queued_sequences=self.max_queued_sequences,
                             num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
-                            speculate=self.speculate, max_model_len=self.max_model_len)
+                            speculate=self.speculate, max_model_len=self.max_model_len,
+                            proposer_has_model=True)  # even n-gram drafts cost a deployment hop per round
 
     # ---- cross-deployment checks (build time) ------------------------------------------------
     def validate_models(self) -> None:

@@ -41,7 +41,7 @@ class RoundPlan:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, tokenizer=None, eos_token_ids=(), proposer_has_model: bool = True,
-                 adaptive_cfg: AdaptiveConfig | None = None):
+                 adaptive_cfg: AdaptiveConfig | None = None, cost: CostModel | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -50,7 +50,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.to_release: list[int] = []
-        self.cost = CostModel()
+        self.cost = cost or CostModel()  # may be shared by several schedulers (the router's lanes)
         # Seeded requests must reproduce: their k may depend on their own acceptance history
         # (itself determined by the seed) but not on timings, so they plan with the prior costs.
         self.seeded_cost = CostModel()
