@@ -40,13 +40,13 @@ def speedup_bound(a: float, k: int, c: float) -> float:
 class CostModel:
     """Measured costs per batch size B: target round time by max draft length K, draft step time.
 
-    All EMAs. A verify over K+1 positions per row costs t(B, K) / t(B, 0) plain rounds: cheap
+    All EMAs, batch sizes bucketed by powers of two. A verify over K+1 positions per row costs t(B, K) / t(B, 0) plain rounds: cheap
     where the target is memory-bound (batch 1, bf16), expensive where it is compute-bound (large
     batches in float32), so the right k depends on B. t(B, 0) is re-measured by an occasional
     plain round (`needs_plain_round`); unmeasured K are interpolated from measured ones.
     """
 
-    def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.05, ema: float = 0.2,
+    def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
                  recalibrate_every: int = 64):
         self.ema, self.recalibrate_every = ema, recalibrate_every
         self.draft_step: dict[int, float] = {}  # B -> seconds per draft forward
@@ -58,7 +58,13 @@ class CostModel:
     def _upd(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
 
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes share measurements by power-of-two bucket (1, 2, 4, 8, ...)."""
+        return 1 << max(0, batch - 1).bit_length()
+
     def observe(self, k_max: int, draft_time: float, draft_steps: int, target_time: float, batch: int = 1) -> None:
+        batch = self.bucket(batch)
         self.rounds += 1
         if draft_steps > 0:
             self.draft_step[batch] = self._upd(self.draft_step.get(batch), draft_time / draft_steps)
@@ -68,11 +74,12 @@ class CostModel:
 
     def needs_plain_round(self, batch: int) -> bool:
         """True when t(B, 0) is unknown or stale: the next round should be plain to measure it."""
-        seen = self.plain_seen.get(batch)
+        seen = self.plain_seen.get(self.bucket(batch))
         return seen is None or self.rounds - seen >= self.recalibrate_every
 
     def c(self, batch: int = 1) -> float:
         """Draft step cost / plain target round cost at batch size B."""
+        batch = self.bucket(batch)
         base, step = self.target.get((batch, 0)), self.draft_step.get(batch)
         if not base or step is None:
             return self.prior_c
@@ -80,6 +87,7 @@ class CostModel:
 
     def verify_cost(self, k: int, batch: int = 1) -> float:
         """Cost of a round whose rows verify k drafts, relative to a plain round (>= 1)."""
+        batch = self.bucket(batch)
         base = self.target.get((batch, 0))
         if k == 0:
             return 1.0

@@ -39,7 +39,7 @@ def test_speculation_switches_off_and_probes():
     for _ in range(10):  # every draft rejected
         k = ak.choose(cost)
         ak.update(k, k, 0)
-    assert ak.acceptance < 0.2
+    assert ak.acceptance < 0.35  # it stopped proposing once speculation no longer paid
     ks = []
     for _ in range(8):
         k = ak.choose(cost)
