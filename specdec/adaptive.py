@@ -54,6 +54,16 @@ class CostModel:
         self.plain_seen: dict[int, int] = {}  # B -> round index of the last plain round
         self.rounds = 0
         self.prior_c, self.prior_slope = prior_c, prior_verify_slope
+        self.acc_succ, self.acc_trials = 0.0, 0.0  # workload acceptance: the prior of new sequences
+
+    def observe_acceptance(self, proposed: int, accepted: int, decay: float = 0.995) -> None:
+        if proposed:
+            self.acc_succ = decay * self.acc_succ + accepted
+            self.acc_trials = decay * self.acc_trials + accepted + (1 if accepted < proposed else 0)
+
+    def acceptance_prior(self, default: float) -> float:
+        """Recent acceptance of the workload (new sequences start from it), or `default`."""
+        return self.acc_succ / self.acc_trials if self.acc_trials >= 8 else default
 
     def _upd(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new

@@ -12,7 +12,7 @@ and the Ray Serve router runs the same three calls against deployment handles.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,7 +60,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> Sequence:
         seq.eos_token_ids = seq.eos_token_ids or self.eos_token_ids
         seq.max_model_len = min(seq.max_model_len, self.cfg.max_model_len)
-        seq.adaptive = AdaptiveK(self.adaptive_cfg)
+        prior = self.cost.acceptance_prior(self.adaptive_cfg.prior_acceptance)
+        cfg = self.adaptive_cfg if seq.params.seed is not None else replace(self.adaptive_cfg, prior_acceptance=prior)
+        seq.adaptive = AdaptiveK(cfg)
         self.waiting.append(seq)
         return seq
 
@@ -155,6 +157,7 @@ class Scheduler:
             s.accepted += m
             s.rounds += 1
             s.adaptive.update(plan.draft_batch.num_draft[i], k, m)
+            self.cost.observe_acceptance(k, m)
             self.stats.observe_row(k, m, len(emitted))
         self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
         # wall times as the loop paid them (in the service they include the deployment hops)
