@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from deployments.tracing import ensure_provider
 from deployments.common import RateWindow, replica_id
 from deployments.target import TargetFault
-from deployments.tracing import inject, span
+from deployments.tracing import ensure_provider, inject, span
 from specdec.loader import load_tokenizer
 from specdec.metadata import DraftOutput
 from specdec.sampling import SamplingParams
 from specdec.adaptive import CostModel
+from specdec.engine import eos_ids_of
 from specdec.scheduler import Scheduler, SchedulerConfig
 from specdec.sequence import Sequence
 from specdec.stats import SpecStats
@@ -116,8 +116,7 @@ class SpecRouter:
     def __init__(self, config: dict, draft_handle, target_handle):
         self.cfg = RouterConfig(**config)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer)
-        from specdec.engine import _eos_ids
-        self.eos_ids = _eos_ids(self.tokenizer)
+        self.eos_ids = eos_ids_of(self.tokenizer)
         self.draft, self.target = draft_handle, target_handle
         self.queue: deque[Sequence] = deque()
         self.lanes: list[Lane] = []

@@ -38,7 +38,7 @@ class LLMEngine:
         self.cfg = config or EngineConfig()
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
         if eos_token_ids is None:
-            eos_token_ids = _eos_ids(tokenizer)
+            eos_token_ids = eos_ids_of(tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(self.cfg.max_batch_size, self.cfg.max_model_len, self.cfg.num_speculative_tokens,
                             speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive),
@@ -91,7 +91,8 @@ class LLMEngine:
         return seqs
 
 
-def _eos_ids(tokenizer) -> list[int]:
+def eos_ids_of(tokenizer) -> list[int]:
+    """The tokenizer's EOS plus the chat turn terminators it knows (generation stops at any)."""
     if tokenizer is None:
         return []
     ids = set()

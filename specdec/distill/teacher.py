@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdec.engine import _eos_ids
+from specdec.engine import eos_ids_of
 
 
 def ensure_cache(model, slots: int, max_len: int) -> None:
@@ -77,7 +77,7 @@ class Teacher:
 
 def special_ids(tokenizer, config=None) -> list[int]:
     """Ids the draft head must always contain: special tokens, EOS and chat end-of-turn tokens."""
-    ids = set(tokenizer.all_special_ids) | set(_eos_ids(tokenizer))
+    ids = set(tokenizer.all_special_ids) | set(eos_ids_of(tokenizer))
     for tid, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
         if getattr(added, "special", False):
             ids.add(int(tid))
