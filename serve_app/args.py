@@ -118,6 +118,8 @@ class AppArgs(BaseModel):
                "OTEL_SERVICE_NAME": t.service_name}
         if t.path:
             env["SPECDEC_TRACING_PATH"] = t.path
+        if t.batch is not None:
+            env["SPECDEC_TRACING_BATCH"] = "1" if t.batch else "0"
         if t.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = t.otlp_endpoint
         return env

@@ -84,7 +84,8 @@ class TracingConfig(BaseModel):
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "TracingConfig":
         """Build from the environment.
 
-        SPECDEC_TRACING_EXPORTER (none|console|jsonl|otlp|memory) and SPECDEC_TRACING_PATH win;
+        SPECDEC_TRACING_EXPORTER (none|console|jsonl|otlp|memory) and SPECDEC_TRACING_PATH win
+        (SPECDEC_TRACING_BATCH=0|1 picks the span processor);
         otherwise standard OTel variables: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER
         (otlp|console|none), and an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT alone selects otlp.
         OTEL_TRACES_SAMPLER (always_on/off, [parentbased_]traceidratio) with
@@ -114,7 +115,8 @@ class TracingConfig(BaseModel):
         return cls(exporter=exporter, path=path, otlp_endpoint=endpoint,
                    sampling_ratio=_ratio_from_env(get("OTEL_TRACES_SAMPLER").lower(),
                                                   get("OTEL_TRACES_SAMPLER_ARG")),
-                   service_name=get("OTEL_SERVICE_NAME") or "specdec")
+                   service_name=get("OTEL_SERVICE_NAME") or "specdec",
+                   batch={"1": True, "0": False}.get(get("SPECDEC_TRACING_BATCH")))
 
 
 def _ratio_from_env(sampler: str, arg: str) -> float:

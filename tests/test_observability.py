@@ -41,7 +41,7 @@ def test_trace_tree_spans_processes(ray_cluster, tiny_dir, tiny_draft_dir, tmp_p
                    json={"model": tiny_dir.name, "prompt": "def f(x):", "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200
     names = set()
-    deadline = time.time() + 40
+    deadline = time.time() + 90
     while time.time() < deadline:
         spans = _spans(spans_file, TRACE_ID)
         names = {s["name"] for s in spans}
