@@ -129,6 +129,7 @@ class SpecRouter:
         self.cost = CostModel()  # measured costs by batch size, shared by all lanes (they outlive none)
         self.proposer_has_model = self.cfg.proposer_has_model
         self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
+        self.rounds_by_target: dict[str, int] = {}  # target replica id -> rounds it verified
         self.metrics = self._make_metrics()
         self.id = replica_id()
         ensure_provider()
@@ -372,6 +373,7 @@ class SpecRouter:
                                                                             avoid=self._avoid(lane, "target_pin")),
                                                   timeout=max(0.1, deadline - time.monotonic()))
                 lane.target_pin = rid
+                self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out
             except asyncio.TimeoutError:  # e.g. no target replica came up: give up, keep the pin
                 self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
@@ -398,7 +400,8 @@ class SpecRouter:
                  running=sum(len(l.scheduler.running) for l in self.lanes),
                  tasks=len(asyncio.all_tasks()),
                  draft_resyncs=self.resyncs["draft"], target_resyncs=self.resyncs["target"],
-                 lane_targets=[l.target_pin for l in self.lanes], lane_drafts=[l.draft_pin for l in self.lanes])  # debug: asyncio tasks of this replica (leak checks)
+                 lane_targets=[l.target_pin for l in self.lanes], lane_drafts=[l.draft_pin for l in self.lanes],
+                 rounds_by_target=dict(self.rounds_by_target))  # debug: asyncio tasks of this replica (leak checks)
         return d
 
     def record_autoscaling_stats(self) -> dict:

@@ -45,7 +45,10 @@ def test_trace_tree_spans_processes(ray_cluster, tiny_dir, tiny_draft_dir, tmp_p
     while time.time() < deadline:
         spans = _spans(spans_file, TRACE_ID)
         names = {s["name"] for s in spans}
-        if {"router.request", "router.round", "draft.propose", "target.verify", "tp_worker.forward"} <= names:
+        ids = {s["span_id"] for s in spans}
+        complete = all(s["parent_id"] in ids for s in spans if s["name"] != "router.request")
+        if complete and {"router.request", "router.round", "draft.propose", "target.verify",
+                         "tp_worker.forward"} <= names:
             break
         time.sleep(1)
     by_id = {s["span_id"]: s for s in spans}
