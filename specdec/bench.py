@@ -190,12 +190,9 @@ def main(argv=None) -> None:
         rows, plain = [], {}
         for b in batches:
             if b == 1:  # batch 1: the prompts one after another
-                for group in [prompts]:
-                    rs = []
-                    for p in group:
-                        rs.append(bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null()))
-                    merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
-                    bar.update(per_batch)
+                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null()) for p in prompts]
+                merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
+                bar.update(per_batch)
             else:
                 batch_prompts = (prompts * b)[:b]  # b concurrent sequences (prompts reused if fewer)
                 merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar)
