@@ -100,9 +100,11 @@ def test_prometheus_metrics_have_plausible_values(ray_cluster, tiny_dir):
             "ray_specdec_inter_token_latency_seconds_bucket", "ray_specdec_speculation_sequences"]
     deadline = time.time() + 90
     text = ""
-    while time.time() < deadline:
+    while time.time() < deadline:  # counters reach the exporter in periodic flushes: wait for the totals
         text = _scrape()
-        if all(_value(text, w, application="metered") is not None for w in want):
+        if (all(_value(text, w, application="metered") is not None for w in want)
+                and _value(text, "ray_specdec_generated_tokens_total", application="metered") == generated
+                and _value(text, "ray_specdec_requests_total", application="metered") == 3):
             break
         time.sleep(3)
     missing = [w for w in want if _value(text, w, application="metered") is None]
