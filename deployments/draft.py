@@ -1,6 +1,7 @@
-"""Draft deployment: replicas hold a proposer (a draft model, the target's first layers, or
-n-gram lookup) and the draft KV caches of the sequences routed to them. One call per round
-proposes k tokens for a whole batch.
+"""Draft deployment: replicas hold a proposer (a draft model, an EAGLE-style draft over the
+target's features, the target's first layers, n-gram lookup, or the n-gram/draft hybrid) and the
+draft KV caches of the sequences routed to them. One call per round proposes k tokens for a
+whole batch; EAGLE drafts get the target's features of the last round with it.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ log = logging.getLogger("ray.serve")
 class DraftConfig(BaseModel):
     """Configuration of the Draft deployment."""
 
-    proposer: Literal["ngram", "draft", "self"] = Field("ngram", description="Which proposer the replicas run.")
-    draft: str | None = Field(None, description="Draft checkpoint (proposer='draft').")
+    proposer: Literal["ngram", "draft", "eagle", "hybrid", "self"] = Field("ngram", description="Which proposer the replicas run.")
+    draft: str | None = Field(None, description="Draft checkpoint (proposer='draft', 'eagle' or 'hybrid').")
     target: str | None = Field(None, description="Target checkpoint (proposer='self' uses its first layers).")
     self_draft_layers: int = Field(4, ge=1, description="Layers of the target used as a self-draft.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Draft dtype.")
@@ -36,6 +37,7 @@ class DraftConfig(BaseModel):
     top_j: int = Field(32, ge=1, description="Sampled rows draw drafts from the top-j truncation of q.")
     ngram_min: int = Field(1, ge=1, description="Shortest n-gram matched by prompt lookup.")
     ngram_max: int = Field(3, ge=1, description="Longest n-gram matched by prompt lookup.")
+    hybrid_ngram_min: int = Field(3, ge=1, description="proposer='hybrid': shortest n-gram match taken instead of the draft.")
 
 
 class DraftDeployment:
@@ -48,7 +50,7 @@ class DraftDeployment:
         self.proposer = build_proposer(
             c.proposer, draft=c.draft, target=c.target, self_draft_layers=c.self_draft_layers,
             dtype=parse_dtype(c.dtype), device=c.device, num_slots=c.num_slots, max_model_len=c.max_model_len,
-            top_j=c.top_j, ngram_min=c.ngram_min, ngram_max=c.ngram_max)
+            top_j=c.top_j, ngram_min=c.ngram_min, ngram_max=c.ngram_max, hybrid_ngram_min=c.hybrid_ngram_min)
         self.lock = threading.Lock()
         self.proposed = RateWindow()
         self.id = replica_id()

@@ -67,6 +67,7 @@ class RouterConfig(BaseModel):
     adaptive: bool = Field(True, description="Adapt k per sequence to its acceptance (runtime).")
     speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
     proposer_has_model: bool = Field(True, description="Drafting costs a model forward (False for n-gram lookup): enters the adaptive cost model.")
+    features: bool = Field(False, description="Pass the target's features of confirmed positions to the draft (EAGLE-style drafts).")
     max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output).")
     retry_deadline_s: float = Field(60.0, gt=0, description="How long a lane retries a failing target before failing its requests.")
     draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
@@ -158,7 +159,7 @@ class SpecRouter:
         c = self.cfg
         return SchedulerConfig(max_batch_size=c.max_batch_size, max_model_len=c.max_model_len,
                                k_max=c.num_speculative_tokens, speculate=c.speculate and self.draft is not None,
-                               adaptive=c.adaptive)
+                               adaptive=c.adaptive, features=c.features)
 
     # ---- request side -------------------------------------------------------------------------
     def capacity(self) -> int:

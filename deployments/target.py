@@ -82,11 +82,11 @@ class TPWorker:
     def setup_cache(self, num_slots: int, max_len: int) -> None:
         self.model.setup_cache(num_slots, max_len)
 
-    def forward(self, tokens, slots, starts, last, n_logits, trace_carrier=None):
+    def forward(self, tokens, slots, starts, last, n_logits, n_hidden=0, trace_carrier=None):
         from deployments.tracing import span
         with span("tp_worker.forward", trace_carrier, rank=self.rank, rows=int(tokens.shape[0])):
             with torch.inference_mode():
-                self.model(tokens, slots, starts, last, n_logits)
+                self.model(tokens, slots, starts, last, n_logits, n_hidden)
         return True
 
     def ping(self) -> tuple[int, int]:
@@ -110,10 +110,10 @@ class TPGroupModel:
         self.model.setup_cache(num_slots, max_len)
         ray.get(refs)
 
-    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1):
+    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1, n_hidden: int = 0):
         cpu = [t.cpu() if torch.is_tensor(t) else t for t in (tokens, slots, starts, last)]
-        refs = [w.forward.remote(*cpu, n_logits, self.trace_carrier) for w in self.workers]
-        out = self.model(tokens, slots, starts, last, n_logits)
+        refs = [w.forward.remote(*cpu, n_logits, n_hidden, self.trace_carrier) for w in self.workers]
+        out = self.model(tokens, slots, starts, last, n_logits, n_hidden)
         ray.get(refs)  # surfaces a dead worker as an exception
         return out
 

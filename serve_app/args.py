@@ -19,6 +19,7 @@ from deployments.target import TargetConfig
 from serve_app.telemetry import TracingConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+DRAFT_PROPOSERS = frozenset({"draft", "eagle", "hybrid"})  # proposers that read a draft checkpoint
 
 
 class ApiConfig(BaseModel):
@@ -40,9 +41,10 @@ class AppArgs(BaseModel):
     model_config = {"extra": "forbid"}
 
     target: str = Field("smollm2", description="Target checkpoint: a Hugging Face directory, a .gguf file, or 'smollm2' (the demo model).")
-    draft: str | None = Field(None, description="Draft checkpoint with the target's tokenizer (proposer='draft').")
-    proposer: Literal["ngram", "draft", "self", "none"] = Field("ngram", description="Proposer: n-gram lookup, a draft model, the target's first layers, or none.")
+    draft: str | None = Field(None, description="Draft checkpoint with the target's tokenizer (proposer='draft', 'eagle' or 'hybrid'): a small causal LM or an EAGLE-style draft ('smollm2-eagle' is the one shipped for the demo target).")
+    proposer: Literal["ngram", "draft", "eagle", "hybrid", "self", "none"] = Field("ngram", description="Proposer: n-gram lookup, a draft model, an EAGLE-style draft over the target's features, hybrid (n-gram matches first, the draft otherwise), the target's first layers, or none.")
     self_draft_layers: int = Field(4, ge=1, description="Target layers used by proposer='self'.")
+    hybrid_ngram_min: int = Field(3, ge=1, description="proposer='hybrid': shortest n-gram match taken instead of the draft.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round.")
     adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
@@ -82,10 +84,11 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
-        if self.proposer == "draft" and not self.draft:
-            raise ValueError("proposer='draft' needs draft=PATH (a checkpoint with the target's tokenizer)")
-        if self.draft and self.proposer not in ("draft",):
-            raise ValueError(f"draft={self.draft!r} is given but proposer={self.proposer!r}; set proposer=draft")
+        if self.proposer in DRAFT_PROPOSERS and not self.draft:
+            raise ValueError(f"proposer={self.proposer!r} needs draft=PATH (a checkpoint with the target's tokenizer)")
+        if self.draft and self.proposer not in DRAFT_PROPOSERS:
+            raise ValueError(f"draft={self.draft!r} is given but proposer={self.proposer!r}; set proposer to one "
+                             f"of {sorted(DRAFT_PROPOSERS)}")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")
         return self
@@ -102,6 +105,12 @@ class AppArgs(BaseModel):
     @property
     def speculate(self) -> bool:
         return self.proposer != "none" and self.num_speculative_tokens > 0
+
+    @property
+    def uses_features(self) -> bool:
+        """The draft reads the target's features (an EAGLE-style checkpoint)."""
+        from specdec.eagle import is_eagle
+        return self.speculate and self.proposer in DRAFT_PROPOSERS and is_eagle(self.draft)
 
     @property
     def total_lanes(self) -> int:
@@ -135,13 +144,15 @@ class AppArgs(BaseModel):
         return TargetConfig(model=self.target, dtype=self.dtype, device=self.device, tp=self.tp,
                             num_slots=self.max_batch_size * self.lanes_per_target, max_model_len=self.max_model_len,
                             num_threads=self.num_threads, worker_cpus=self.target_cpus,
+                            return_hidden=self.uses_features,
                             worker_gpus=1 if self.device == "cuda" else 0)
 
     def draft_config(self) -> DraftConfig | None:
         if not self.speculate:
             return None
         return DraftConfig(proposer=self.proposer, draft=self.draft, target=self.target,
-                           self_draft_layers=self.self_draft_layers, dtype=self.dtype, device=self.device,
+                           self_draft_layers=self.self_draft_layers, hybrid_ngram_min=self.hybrid_ngram_min,
+                           dtype=self.dtype, device=self.device,
                            num_slots=self.max_batch_size * self.total_lanes,
                            max_model_len=self.max_model_len, num_threads=self.num_threads)
 
@@ -152,7 +163,8 @@ class AppArgs(BaseModel):
                             max_queued_sequences=self.max_queued_sequences,
                             num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
                             speculate=self.speculate, max_model_len=self.max_model_len,
-                            proposer_has_model=True)  # even n-gram drafts cost a deployment hop per round
+                            proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round
+                            features=self.uses_features)
 
     # ---- cross-deployment checks (build time) ------------------------------------------------
     def validate_models(self) -> None:
@@ -175,8 +187,17 @@ class AppArgs(BaseModel):
         if self.max_model_len > margs.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's "
                              f"{margs.max_position_embeddings} positions")
-        if self.proposer == "draft":
+        if self.proposer in DRAFT_PROPOSERS:
+            from specdec.eagle import check_eagle_fits, is_eagle
+            if self.proposer == "eagle" and not is_eagle(self.draft):
+                raise ValueError(f"proposer='eagle' needs an EAGLE-style draft; {self.draft} is not one "
+                                 "(use proposer='draft' for a standalone draft model)")
             dsrc = materialize(resolve(self.draft))
+            if is_eagle(self.draft):
+                try:
+                    check_eagle_fits(dsrc.path, margs)
+                except ValueError as e:
+                    raise ValueError(f"draft {self.draft} does not fit target {self.target}: {e}") from None
             try:
                 check_same_vocab(load_tokenizer(src.path), load_tokenizer(dsrc.path), self.target, self.draft)
             except ModelLoadError as e:

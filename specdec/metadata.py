@@ -34,6 +34,8 @@ class SpecBatch:
     top_p: Tensor  # [B] float32
     uniforms: Tensor  # [B, 3, K+1] float64, see U_* above
     release: list[int] = field(default_factory=list)  # sequences to forget before this round
+    features: list[tuple[int, Tensor] | None] | None = None  # per row (first position, [n, hidden])
+    # of target features the proposer has not been sent yet (EAGLE-style drafts only)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
 
     def __len__(self) -> int:
@@ -71,4 +73,5 @@ class VerifyOutput:
     num_accepted: list[int]
     unknown: list[int] = field(default_factory=list)  # rows the target lacked: nothing emitted
     target_time: float = 0.0  # seconds in the target's forward + sampling
-    hidden: list[Tensor] | None = None  # per row [emitted, hidden]: features for EAGLE-style drafts
+    hidden: list[Tensor] | None = None  # per row [n, hidden]: target features for EAGLE-style drafts
+    hidden_start: list[int] | None = None  # per row: position of hidden[i][0]

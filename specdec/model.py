@@ -157,7 +157,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin  # cos/sin: [B, T, 1, head_dim]
         k = k * cos + rotate_half(k) * sin
-        keys, values = self.kv_cache.update(rows, k, v)  # [B, L, kv_heads, head_dim]
+        if self.kv_cache is None:  # training: the T tokens are the whole sequence (rows.mask is causal)
+            keys, values = k, v
+        else:
+            keys, values = self.kv_cache.update(rows, k, v)  # [B, L, kv_heads, head_dim]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=rows.mask, enable_gqa=self.num_heads != self.num_kv_heads,
@@ -243,19 +246,24 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
-                n_logits: int = 1) -> tuple[Tensor, Tensor]:
+                n_logits: int = 1, n_hidden: int = 0) -> tuple[Tensor, Tensor]:
         """Run new tokens and return logits of `n_logits` positions per row ending at `last`.
 
         tokens: [B, T]; slots, starts: [B]; last: [B] index (within T) of each row's last real
-        token (default T-1). Returns (logits [B, n_logits, vocab] float32, hidden [B, n_logits, hidden]).
+        token (default T-1). Returns (logits [B, n_logits, vocab] float32, hidden [B, n, hidden])
+        with n = max(n_logits, n_hidden): features of the last n positions (for EAGLE drafts).
         """
-        B, T = tokens.shape
-        h = self.hidden_states(tokens, slots, starts)  # [B, T, hidden]
+        return self.head(self.hidden_states(tokens, slots, starts), last, n_logits, n_hidden)
+
+    def head(self, h: Tensor, last: Tensor | None, n_logits: int, n_hidden: int = 0) -> tuple[Tensor, Tensor]:
+        """h: [B, T, hidden] -> (logits of the last n_logits positions up to `last`, their features)."""
+        B, T, _ = h.shape
+        n = max(n_logits, n_hidden)
         if last is None:
-            last = torch.full((B,), T - 1, device=tokens.device)
-        idx = (last[:, None] - n_logits + 1 + torch.arange(n_logits, device=tokens.device)).clamp(min=0)
-        h = torch.gather(h, 1, idx[:, :, None].expand(-1, -1, h.shape[-1]))  # [B, n_logits, hidden]
-        return self.lm_head(h).float(), h
+            last = torch.full((B,), T - 1, device=h.device)
+        idx = (last[:, None] - n + 1 + torch.arange(n, device=h.device)).clamp(min=0)
+        h = torch.gather(h, 1, idx[:, :, None].expand(-1, -1, h.shape[-1]))  # [B, n, hidden]
+        return self.lm_head(h[:, n - n_logits:]).float(), h
 
     def first_layers(self, n: int) -> "Transformer":
         """A self-speculation draft: this model's first n layers, final norm and head, sharing the

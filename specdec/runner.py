@@ -89,12 +89,16 @@ class SlotTable:
 
 
 def run_ragged(model, feeds: list[list[int]], slots: list[int], starts: list[int],
-               n_logits: list[int], return_hidden: bool = False):
+               n_logits: list[int], return_hidden: bool = False, n_hidden: list[int] | None = None,
+               features: list[Tensor] | None = None):
     """Forward rows of different lengths; returns per-row logits [n_logits[i], V] (and hidden).
 
     feeds[i]: new tokens of row i, written at positions starts[i]... of slot slots[i].
+    n_hidden[i]: features returned for row i's last n_hidden[i] positions (default n_logits[i]).
+    features[i]: [len(feeds[i]), hidden] input features per token (EAGLE drafts), or None.
     """
     device = model.device
+    n_hidden = n_hidden or n_logits
     out_logits: list[Tensor | None] = [None] * len(feeds)
     out_hidden: list[Tensor | None] = [None] * len(feeds)
     short = [i for i, f in enumerate(feeds) if len(f) <= SHORT_ROW]
@@ -102,14 +106,23 @@ def run_ragged(model, feeds: list[list[int]], slots: list[int], starts: list[int
     for rows in groups:
         T = max(len(feeds[i]) for i in rows)
         n = max(n_logits[i] for i in rows)
+        nh = max(max(n_hidden[i], n_logits[i]) for i in rows) if return_hidden else 0
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
         for r, i in enumerate(rows):
             tokens[r, : len(feeds[i])] = torch.tensor(feeds[i])
+        kw = {}
+        if features is not None:
+            feats = torch.zeros(len(rows), T, features[rows[0]].shape[-1], dtype=model.dtype)
+            for r, i in enumerate(rows):
+                feats[r, : len(feeds[i])] = features[i]
+            kw["features"] = feats.to(device)
         last = torch.tensor([len(feeds[i]) - 1 for i in rows])
         logits, hidden = model(tokens.to(device), torch.tensor([slots[i] for i in rows], device=device),
-                               torch.tensor([starts[i] for i in rows], device=device), last.to(device), n)
+                               torch.tensor([starts[i] for i in rows], device=device), last.to(device), n,
+                               nh, **kw)
+        H = hidden.shape[1]
         for r, i in enumerate(rows):  # the row's logits are the last n_logits[i] of the n computed
             out_logits[i] = logits[r, n - n_logits[i]:]
             if return_hidden:
-                out_hidden[i] = hidden[r, n - n_logits[i]:]
+                out_hidden[i] = hidden[r, H - max(n_hidden[i], n_logits[i]):]
     return (out_logits, out_hidden) if return_hidden else out_logits

@@ -30,6 +30,7 @@ class SchedulerConfig:
     k_max: int = 4  # cap for adaptive k and for a request's num_speculative_tokens
     speculate: bool = True  # False: plain decoding (k = 0 for every row)
     adaptive: bool = True  # False: every row uses k_max unless the request says otherwise
+    features: bool = False  # pass the target's features to the proposer (EAGLE-style drafts)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Scheduler:
             top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
             uniforms=uniforms,
             release=self.take_releases(),
+            features=[s.pending_features() for s in seqs] if self.cfg.features else None,
         )
         return RoundPlan(seqs, batch)
 
@@ -147,6 +149,11 @@ class Scheduler:
                 continue
             if drafted:
                 s.draft_offset = 0 if i in unknown_d else len(plan.draft_batch.new_tokens[i]) + plan.draft_batch.offsets[i]
+                sent = plan.draft_batch.features[i] if plan.draft_batch.features else None
+                if sent is not None and s.feat_start == sent[0]:
+                    s.drop_features(len(sent[1]))
+            if verify.hidden is not None and verify.hidden[i] is not None and self.cfg.features:
+                s.add_features(verify.hidden_start[i], verify.hidden[i])
             if i in unknown_t:
                 s.target_offset = 0  # resend the whole context next round
                 continue

@@ -40,6 +40,8 @@ class Sequence:
     first_token_time: float | None = None
     base_seed: int | None = None  # keys this sequence's uniforms (see sampling.round_uniforms)
     meta: dict = field(default_factory=dict)  # caller's data (e.g. the request's trace context)
+    feat_start: int = 0  # position of feats[0]: target features not yet sent to an EAGLE proposer
+    feats: list = field(default_factory=list)  # tensors [n, hidden], contiguous from feat_start
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -113,6 +115,39 @@ class Sequence:
         delta = self.text[self.sent_chars:end]
         self.sent_chars = end
         return delta
+
+    # ---- target features for EAGLE-style proposers -----------------------------------------
+    MAX_PENDING_FEATURES = 1024  # older pending features are dropped (the proposer restarts there)
+
+    @property
+    def num_pending_features(self) -> int:
+        return sum(len(f) for f in self.feats)
+
+    def add_features(self, start: int, feats) -> None:
+        """Queue the target's features of positions [start, start + n) for the proposer."""
+        if not self.feats or start != self.feat_start + self.num_pending_features:
+            self.feat_start, self.feats = start, []  # a re-prefill or a gap: start over from here
+        self.feats.append(feats)
+        extra = self.num_pending_features - self.MAX_PENDING_FEATURES
+        if extra > 0:
+            self.drop_features(extra)
+
+    def pending_features(self):
+        """(first position, [n, hidden]) of the queued features, or None."""
+        if not self.feats:
+            return None
+        if len(self.feats) > 1:
+            import torch
+            self.feats = [torch.cat(self.feats)]
+        return self.feat_start, self.feats[0]
+
+    def drop_features(self, n: int) -> None:
+        """Forget the first n queued positions (sent to the proposer, or too old)."""
+        if n <= 0 or not self.feats:
+            return
+        pending = self.pending_features()[1]
+        self.feat_start += n
+        self.feats = [pending[n:]] if n < len(pending) else []
 
     def abort(self) -> None:
         if not self.finished:

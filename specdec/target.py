@@ -52,6 +52,7 @@ class TargetWorker:
         tokens: list[list[int]] = [[] for _ in range(B)]
         n_acc_out = [0] * B
         hidden_out = [None] * B if self.return_hidden else None
+        hidden_start = [0] * B
         if rows:
             K = draft.tokens.shape[1]
             num_draft = [draft.num_draft[i] for i in rows]
@@ -64,8 +65,10 @@ class TargetWorker:
                 if st.cached + len(f) > self.max_model_len:
                     raise CacheFullError(f"sequence {batch.seq_ids[i]} exceeds max_model_len "
                                          f"{self.max_model_len}")
+            n_conf = [len(f) - len(d) for f, d in zip(feeds, drafts)]  # confirmed tokens fed per row
             res = run_ragged(self.model, feeds, [st.slot for st in states], starts,
-                             [n + 1 for n in num_draft], return_hidden=self.return_hidden)
+                             [n + 1 for n in num_draft], return_hidden=self.return_hidden,
+                             n_hidden=[len(f) for f in feeds])
             logits_rows, hidden_rows = res if self.return_hidden else (res, None)
             logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
             for r, lg in enumerate(logits_rows):
@@ -81,6 +84,7 @@ class TargetWorker:
                 st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts
                 st.tokens.extend(emitted)
                 tokens[i], n_acc_out[i] = emitted, m
-                if hidden_rows is not None:
-                    hidden_out[i] = hidden_rows[r][: m + 1]
-        return VerifyOutput(tokens, n_acc_out, unknown, time.perf_counter() - t0, hidden_out)
+                if hidden_rows is not None:  # features of every position now confirmed but the last
+                    hidden_out[i] = hidden_rows[r][: n_conf[r] + m]
+                    hidden_start[i] = starts[r]
+        return VerifyOutput(tokens, n_acc_out, unknown, time.perf_counter() - t0, hidden_out, hidden_start)

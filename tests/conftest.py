@@ -73,3 +73,17 @@ def deploy(name: str, args: dict):
     from serve_app import build_app
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     return f"http://127.0.0.1:{SERVE_PORT}/{name}"
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_dir(tmp_path_factory, tiny_dir, tiny_tok):
+    """An untrained EAGLE-style draft for the tiny target (reduced 128-token head)."""
+    import torch
+    from specdec.eagle import EagleDraft
+    from specdec.loader import load_model
+    torch.manual_seed(3)
+    target = load_model(tiny_dir)
+    ids = torch.randperm(target.args.vocab_size)[:128].sort().values
+    out = tmp_path_factory.mktemp("tiny_eagle") / "eagle"
+    EagleDraft.for_target(target, ids).save(out, tiny_tok, {"target": str(tiny_dir)}, dtype=torch.float32)
+    return out

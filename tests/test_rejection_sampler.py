@@ -173,3 +173,14 @@ def test_harness_detects_broken_samplers(broken):
     P, Q = _chain(1), _chain(2)
     samples = _speculate(P, Q, 1.0, 0, 1.0, 2, broken=broken, seed=5)
     assert _pvalue(samples, _exact_joint(P, 1.0, 0, 1.0)) < ALPHA
+
+
+@pytest.mark.parametrize("temp,k", [(1.0, 2), (0.7, 3)])
+def test_reduced_vocabulary_draft_is_lossless(temp, k):
+    """A draft head over part of the vocabulary (FR-Spec; the EAGLE and distilled drafts): q is zero
+    outside it, and the residual max(0, p - q) gives the target's other tokens their full mass."""
+    P, Q = _chain(1), _chain(2).clone()
+    Q[:, V // 2:] = float("-inf")  # the draft can only propose the first half of the vocabulary
+    samples = _speculate(P, Q, temp, 0, 1.0, k, seed=17 + k)
+    assert (samples >= V // 2).any()  # tokens outside the draft's head do occur
+    assert _pvalue(samples, _exact_joint(P, temp, 0, 1.0)) > ALPHA

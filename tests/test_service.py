@@ -159,7 +159,27 @@ def test_tensor_parallel_2_matches_tp_1(ray_cluster, tiny_dir, tiny_app):
     serve.delete("tp2")
 
 
-def test_builder_refuses_bad_args(tiny_dir, tmp_path):
+def test_eagle_hybrid_over_tensor_parallel_matches_plain(ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
+    """An EAGLE draft in the hybrid proposer, target TP=2: the features of confirmed positions
+    travel target rank 0 -> router -> draft, and greedy output still equals plain decoding."""
+    url1, model = tiny_app
+    url2 = deploy("eagle", {"target": str(tiny_dir), "proposer": "hybrid", "draft": str(tiny_eagle_dir), "tp": 2,
+                            "max_model_len": 512, "dtype": "float32", "target_cpus": 0.25,
+                            "num_speculative_tokens": 3, "adaptive": False})
+    prompts = PROMPTS[:4]
+    plain = [_complete(url1, model, p, num_speculative_tokens=0)["choices"][0]["text"] for p in prompts]
+    spec = [_complete(url2, model, p) for p in prompts]
+    assert [s["choices"][0]["text"] for s in spec] == plain
+    assert sum(s["usage"]["speculative"]["proposed_tokens"] for s in spec) > 0
+    body = {"model": model, "prompt": "def f(", "max_tokens": 8, "temperature": 1.0, "n": 4, "seed": 11}
+    a, b = post(url2, "/v1/completions", body).json(), post(url2, "/v1/completions", body).json()
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    from ray import serve
+    assert serve.get_deployment_handle("Draft", app_name="eagle").stats.remote().result()["active_sequences"] == 0
+    serve.delete("eagle")
+
+
+def test_builder_refuses_bad_args(tiny_dir, tiny_draft_dir, tmp_path):
     from serve_app import build_app
     with pytest.raises(ValueError, match="does not divide"):
         build_app({"target": str(tiny_dir), "tp": 3, "max_model_len": 512})
@@ -169,6 +189,8 @@ def test_builder_refuses_bad_args(tiny_dir, tmp_path):
         build_app({"target": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="max_model_len"):
         build_app({"target": str(tiny_dir), "max_model_len": 100000})
+    with pytest.raises(ValueError, match="needs an EAGLE-style draft"):
+        build_app({"target": str(tiny_dir), "proposer": "eagle", "draft": str(tiny_draft_dir), "max_model_len": 512})
 
 
 def test_lanes_spread_over_replicas_and_keep_affinity(ray_cluster, tiny_dir):

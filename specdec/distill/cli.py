@@ -4,6 +4,7 @@ Hugging Face checkpoint with a reduced head, and measure it with the engine.
     specdec-distill --target smollm2 --out drafts/smollm2-l4 --layers 4 --init-from-target \\
         --draft-vocab 8192 --minutes 30
     specdec-distill --eval-only drafts/smollm2-l4
+    specdec-distill --arch eagle --target smollm2 --out drafts/smollm2-eagle --minutes 45   (see eagle_cli)
 
 Pipeline: load the target (fp32, to copy initial weights, then the teacher dtype); build the
 offline corpus and its held-out split (specdec.distill.data); pick the draft vocabulary from the
@@ -24,12 +25,14 @@ from pathlib import Path
 import torch
 
 from specdec import envs
+from specdec.distill import eagle_cli
 from specdec.distill.data import Corpus, TextMix, chat_prompts
 from specdec.distill.evaluate import KS, evaluate, heldout_prompts
 from specdec.distill.seqgen import SeqPool
 from specdec.distill.student import DraftLM, draft_config, save_hf, write_extra
 from specdec.distill.teacher import Teacher, select_vocab, special_ids
 from specdec.distill.train import TrainConfig, Trainer
+from specdec.eagle import is_eagle, load_eagle
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve, resolve_extra
 
 
@@ -40,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target", default="smollm2", help="target model spec (HF dir, .gguf, or 'smollm2')")
     a("--out", help="output checkpoint directory")
     a("--eval-only", metavar="DIR", help="only evaluate the draft in DIR (target from its specdec.json)")
+    a("--arch", choices=["llama", "eagle"], default="llama",
+      help="llama: a standalone small model; eagle: one layer over the target's features (specdec.eagle)")
     g = p.add_argument_group("draft architecture")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, help="hidden size (default: the target's)")
@@ -78,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eval-tokens", type=int, default=64)
     o.add_argument("--eval-dtype", default="bfloat16", help="dtype of target and draft in the evaluation")
     o.add_argument("--threads", type=int, default=envs.NUM_THREADS, help="torch threads (0 = torch default)")
+    eagle_cli.add_arguments(p)
     return p
 
 
@@ -97,7 +103,10 @@ def run_eval(draft_dir: Path, target_spec: str, args, corpus: Corpus | None = No
     corpus = corpus or Corpus.build(args.heldout_pct, args.corpus_limit, args.seed)
     prompts = heldout_prompts(corpus, tokenizer, args.eval_prompts)
     target = load_model(target_spec, dtype=dtype)
-    draft = load_model(draft_dir, dtype=dtype)  # slices the head to draft_vocab (see loader)
+    if is_eagle(draft_dir):
+        draft = load_eagle(draft_dir, target, dtype)
+    else:
+        draft = load_model(draft_dir, dtype=dtype)  # slices the head to draft_vocab (see loader)
     ids = getattr(draft, "extra", {}).get("draft_vocab")
     token_map = torch.tensor(ids, dtype=torch.long) if ids else None
     print(f"evaluating {draft_dir} against {target_spec} ({args.eval_dtype}) on "
@@ -160,6 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--out is required (or --eval-only DIR)")
     if args.steps is None and args.minutes is None:
         args.minutes = 20.0
+    if args.arch == "eagle":
+        extra = eagle_cli.run(args, argv)
+        if args.eval_prompts > 0:
+            extra = _update_metrics(Path(args.out), run_eval(Path(args.out), args.target, args))
+        print(json.dumps({k: v for k, v in extra["metrics"].items() if k != "acceptance"}, indent=1))
+        return extra["metrics"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = None

@@ -2,7 +2,8 @@
 prompts, and the cost ratio c that decides whether that acceptance pays.
 
 - acceptance: `LLMEngine` with the target and a `DraftModelProposer` over the draft (its reduced
-  head mapped through `draft_vocab`, FR-Spec, Zhao et al. 2025), greedy, fixed k in {1..4}
+  head mapped through `draft_vocab`, FR-Spec, Zhao et al. 2025), or an `EagleProposer` for an
+  EAGLE draft (specdec.eagle), greedy, fixed k in {1..4}
   (adaptive off), on held-out chat prompts (chat template) and code prefixes, separately.
 - c: median batch-1 forward time of the draft over the target's, one new token after a
   128-token context, both in the same dtype. With per-token acceptance a the expected speedup of
@@ -18,8 +19,10 @@ import time
 import torch
 
 from specdec.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
+from specdec.eagle import EagleDraft
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.eagle import EagleProposer
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
@@ -40,7 +43,10 @@ def acceptance(target, draft, token_map, tokenizer, prompts: list[list[int]], k:
     """Run `prompts` greedily with k drafts per round; returns (engine stats, output ids)."""
     max_len = max(len(p) for p in prompts) + max_tokens + k + 8
     worker = TargetWorker(target, batch, max_len)
-    proposer = DraftModelProposer(draft, batch, max_len, token_map=token_map)
+    if isinstance(draft, EagleDraft):  # reads the target's features; its token map is its own
+        proposer = EagleProposer(draft, batch, max_len)
+    else:
+        proposer = DraftModelProposer(draft, batch, max_len, token_map=token_map)
     engine = LLMEngine(worker, proposer, tokenizer, EngineConfig(max_batch_size=batch, max_model_len=max_len,
                                                                  num_speculative_tokens=k, adaptive=False))
     seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -52,11 +58,16 @@ def forward_ms(model, ctx: int = 128, reps: int = 20) -> list[float]:
     """Batch-1 times (ms) of one new token after a `ctx`-token context."""
     model.setup_cache(1, ctx + 8)
     slot = torch.zeros(1, dtype=torch.long)
-    model(torch.ones(1, ctx, dtype=torch.long), slot, torch.zeros(1, dtype=torch.long))
+
+    def kw(T: int) -> dict:  # an EAGLE draft also reads one feature per token
+        return {"features": torch.zeros(1, T, model.args.hidden_size)} if isinstance(model, EagleDraft) else {}
+
+    model(torch.ones(1, ctx, dtype=torch.long), slot, torch.zeros(1, dtype=torch.long), **kw(ctx))
     out = []
+    one = kw(1)
     for _ in range(reps):
         t0 = time.perf_counter()
-        model(torch.ones(1, 1, dtype=torch.long), slot, torch.full((1,), ctx, dtype=torch.long))
+        model(torch.ones(1, 1, dtype=torch.long), slot, torch.full((1,), ctx, dtype=torch.long), **one)
         out.append(1000 * (time.perf_counter() - t0))
     return out
 

@@ -1,7 +1,9 @@
 """Proposers and a registry-driven factory: `build_proposer(kind, ...)`.
 
-kinds: "ngram" (prompt lookup), "draft" (a separate draft checkpoint), "self" (the target's
-first layers as a zero-training draft), "none" (no speculation).
+kinds: "ngram" (prompt lookup), "draft" (a separate draft checkpoint), "eagle" (an EAGLE-style
+draft over the target's features, specdec.eagle), "self" (the target's first layers as a
+zero-training draft), "hybrid" (n-gram matches first, a draft or EAGLE checkpoint otherwise),
+"none" (no speculation).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import torch
 
 from specdec.proposers.base import PROPOSERS, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.ngram import NgramProposer
 
 BUILDERS: dict[str, Callable[..., Proposer | None]] = {}
@@ -41,10 +45,31 @@ def _token_map(model, extra: dict) -> torch.Tensor | None:
 @builder("draft")
 def _draft(draft: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
            max_model_len: int = 2048, top_j: int = 32, **_) -> Proposer:
+    from specdec.eagle import is_eagle
     from specdec.loader import load_model
+    if is_eagle(draft):  # an EAGLE checkpoint needs the target's features and weights
+        return _eagle(draft=draft, dtype=dtype, device=device, num_slots=num_slots, max_model_len=max_model_len,
+                      top_j=top_j, **_)
     model = load_model(draft, dtype=dtype, device=device)
     return DraftModelProposer(model, num_slots, max_model_len, _token_map(model, getattr(model, "extra", {})),
                               top_j=top_j)
+
+
+@builder("eagle")
+def _eagle(draft: str, target: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
+           max_model_len: int = 2048, top_j: int = 32, target_model=None, **_) -> Proposer:
+    from specdec.eagle import load_eagle
+    from specdec.loader import load_model
+    model = target_model if target_model is not None else load_model(target, dtype=dtype, device=device)
+    return EagleProposer(load_eagle(draft, model, dtype), num_slots, max_model_len, top_j=top_j)
+
+
+@builder("hybrid")
+def _hybrid(draft: str, hybrid_ngram_min: int = 3, ngram_max: int = 5, **kw) -> Proposer:
+    """n-gram matches of at least `hybrid_ngram_min` tokens, else the draft in `draft` (EAGLE or not)."""
+    from specdec.eagle import is_eagle
+    model = (_eagle if is_eagle(draft) else _draft)(draft=draft, **kw)
+    return HybridProposer(NgramProposer(min_n=hybrid_ngram_min, max_n=max(ngram_max, hybrid_ngram_min)), model)
 
 
 @builder("self")
@@ -61,4 +86,5 @@ def build_proposer(kind: str, **kwargs) -> Proposer | None:
     return BUILDERS[kind](**kwargs)
 
 
-__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "build_proposer"]
+__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "EagleProposer", "HybridProposer",
+           "build_proposer"]

@@ -23,6 +23,7 @@ def register(name: str):
 
 class Proposer(ABC):
     name = "base"
+    needs_features = False  # True: propose() reads the target's features (SpecBatch.features)
 
     @abstractmethod
     def propose(self, batch: SpecBatch) -> DraftOutput:

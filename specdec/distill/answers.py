@@ -1,0 +1,76 @@
+"""The target's own greedy answers to training prompts: the sequence-level half of distillation.
+
+DistillSpec (Zhou et al. 2023) finds a draft aligns best on text the *target* writes, since that is
+what it predicts at serving time. Held-out evaluation runs the target on chat prompts and code
+prefixes, so training gets the same two kinds from the training split: chat prompts through the
+chat template, and raw code prefixes (a function's header and docstring) to continue.
+
+Answers come from the engine's plain decoding with continuous batching and are appended to a jsonl
+file ({"i", "kind", "prompt", "output"} per line), so generation is resumable and a later run (or
+the EAGLE trainer's feature pass) reuses them.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from specdec.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
+from specdec.engine import EngineConfig, LLMEngine
+from specdec.sampling import SamplingParams
+from specdec.target import TargetWorker
+
+
+def training_prompts(corpus: Corpus, tokenizer, max_prompt: int = 256) -> list[tuple[str, list[int]]]:
+    """Chat and code prompts of the training split, interleaved 1:1, each at most max_prompt tokens."""
+    chat = [p for p in chat_ids(tokenizer, chat_prompts(corpus.train)) if len(p) <= max_prompt]
+    code = [tokenizer(c, add_special_tokens=False).input_ids for c in code_prompts(corpus.train)]
+    code = [p for p in code if 0 < len(p) <= max_prompt]
+    out = []
+    for i in range(max(len(chat), len(code))):
+        out += [("chat", chat[i])] if i < len(chat) else []
+        out += [("code", code[i])] if i < len(code) else []
+    return out
+
+
+def read_answers(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], path: Path, batch: int = 16,
+                     max_new: int = 128, minutes: float | None = None, max_answers: int | None = None) -> int:
+    """Append greedy answers for prompts not yet in `path`; stops at the time or count budget.
+    Returns the number of answers in the file."""
+    from tqdm import tqdm
+
+    path = Path(path)
+    done = {r["i"] for r in read_answers(path)}
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if max_answers is not None:
+        todo = todo[: max(0, max_answers - len(done))]
+    max_len = max((len(prompts[i][1]) for i in todo), default=0) + max_new + 8
+    worker = TargetWorker(model, batch, max_len)
+    engine = LLMEngine(worker, None, tokenizer, EngineConfig(max_batch_size=batch, max_model_len=max_len,
+                                                             speculate=False))
+    params = SamplingParams(max_tokens=max_new, temperature=0.0)
+    t0, n = time.perf_counter(), len(done)
+    bar = tqdm(total=len(todo), desc="target answers", unit="answer", dynamic_ncols=True)
+    chunk = 4 * batch
+    with path.open("a") as f:
+        for c in range(0, len(todo), chunk):
+            if minutes is not None and time.perf_counter() - t0 > 60 * minutes:
+                break
+            ids = todo[c: c + chunk]
+            seqs = engine.generate([prompts[i][1] for i in ids], params)
+            for i, s in zip(ids, seqs):
+                f.write(json.dumps({"i": i, "kind": prompts[i][0], "prompt": prompts[i][1],
+                                    "output": list(s.output_ids)}) + "\n")
+            f.flush()
+            n += len(ids)
+            bar.update(len(ids))
+            bar.set_postfix(tok_s=f"{engine.stats.emitted / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    return n

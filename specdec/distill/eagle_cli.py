@@ -1,0 +1,94 @@
+"""`specdec-distill --arch eagle`: the EAGLE-style draft pipeline (see specdec.distill.eagle_train).
+
+    specdec-distill --arch eagle --target smollm2 --out drafts/smollm2-eagle \\
+        --answers 2000 --text-tokens 400000 --draft-vocab 8192 --minutes 45
+
+1. the target's greedy answers to training chat prompts and code prefixes (resumable jsonl);
+2. teacher features: one bf16 prefill over those answers and packed plain text (resumable);
+3. the draft vocabulary from the target's greedy predictions in that pass;
+4. training (resumable with --resume); 5. export (fc + layer, bf16) and held-out evaluation.
+Caches and the optimizer state live in --work (default <out>.work), outside the shipped directory.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.distill.answers import generate_answers, read_answers, training_prompts
+from specdec.distill.data import Corpus, TextMix
+from specdec.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
+from specdec.distill.teacher import special_ids
+from specdec.eagle import EagleDraft
+from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("EAGLE drafts (--arch eagle)")
+    g.add_argument("--answers", type=int, default=1000, help="target answers to generate (chat + code)")
+    g.add_argument("--gen-minutes", type=float, help="stop generating answers after this long")
+    g.add_argument("--gen-batch", type=int, default=24, help="batch size of answer generation")
+    g.add_argument("--text-tokens", type=int, default=200_000, help="plain-text tokens prefilled for features")
+    g.add_argument("--cls-weight", type=float, default=0.5, help="CE weight beside the feature regression")
+    g.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features")
+    g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
+
+
+def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> list[tuple[str, list[int]]]:
+    rows = [(r["kind"], r["prompt"] + r["output"]) for r in sorted(answers, key=lambda r: r["i"])]
+    text = TextMix(corpus.train, tok, args.seq_len, eos, args.prose_frac, seed=args.seed)
+    rng = random.Random(args.seed)
+    rows += [("text", text.next_row(rng)) for _ in range(args.text_tokens // args.seq_len)]
+    return rows
+
+
+def run(args, argv: list[str]) -> dict:
+    out = Path(args.out)
+    work = Path(args.work or f"{out}.work")
+    work.mkdir(parents=True, exist_ok=True)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    tok = load_tokenizer(args.target)
+    from transformers import AutoConfig
+    target_cfg = AutoConfig.from_pretrained(materialize(resolve(args.target)).path)
+    target = load_model(args.target, dtype=parse_dtype(args.dtype_teacher))
+    corpus = Corpus.build(args.heldout_pct, args.corpus_limit, args.seed)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else special_ids(tok, target_cfg)[0]
+
+    prompts = training_prompts(corpus, tok)  # chat and code interleaved, in corpus order
+    n = generate_answers(target, tok, prompts, work / "answers.jsonl", args.gen_batch, args.gen_tokens,
+                         args.gen_minutes, args.answers)
+    answers = [r for r in read_answers(work / "answers.jsonl")][: args.answers]
+    print(f"target answers: {len(answers)} of {n} generated ({sum(len(r['output']) for r in answers)} tokens)",
+          flush=True)
+    rows = training_rows(args, corpus, tok, eos, answers)
+    cache = FeatureCache.build(target, rows, path=work / "features.pt")
+    print(f"teacher features: {len(cache.tokens)} rows, {cache.num_tokens} tokens", flush=True)
+
+    ckpt = torch.load(work / "ckpt.pt", weights_only=False) if args.resume and (work / "ckpt.pt").is_file() else None
+    if ckpt is not None:
+        kept, vocab_info = ckpt["token_map"], ckpt.get("vocab_info", {})
+    else:
+        kept, vocab_info = cache.select_vocab(args.draft_vocab, special_ids(tok, target_cfg))
+    print(f"draft vocabulary: {len(kept)} tokens covering {vocab_info.get('coverage')} of the target's "
+          f"greedy predictions on the training rows", flush=True)
+    draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long))
+    cfg = EagleTrainConfig(minutes=args.minutes, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
+                           warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise,
+                           save_minutes=args.save_minutes, seed=args.seed, amp=not args.no_amp)
+    trainer = EagleTrainer(draft, cache, cfg, work, state=ckpt)
+    if ckpt is not None:
+        print(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min trained)", flush=True)
+    summary = trainer.run()
+    print("training: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    extra = {"target": str(args.target), "command": "specdec-distill " + shlex.join(argv),
+             "metrics": {"train": summary, "vocab": vocab_info,
+                         "data": {"answers": len(answers), "rows": len(cache.tokens), "tokens": cache.num_tokens}}}
+    draft.save(out, tok, extra, parse_dtype(args.save_dtype))
+    print(f"saved {out} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)
+    return extra

@@ -1,0 +1,272 @@
+"""Train an EAGLE-style draft (specdec.eagle; Li et al. 2024) from the target's cached features.
+
+Features and logits come from the same cheap forward pass: one bf16 *prefill* of the target over
+a row gives f_p at every position, and the teacher's distribution at p is head(f_p). So the
+expensive part is done once (`FeatureCache.build`, ~1k tokens/s here) and training then makes
+several passes over it at the draft's own speed (one layer: several thousand tokens/s).
+
+Rows: the target's own greedy answers to training chat prompts and code prefixes (the serving
+distribution; specdec.distill.answers) and packed plain text (stdlib source and pydoc prose).
+Loss per position p (EAGLE-1): smooth-L1(g_p, f_{p+1}) + w * CE(softmax(head(f_{p+1})), head(g_p)),
+with uniform noise on the input features so the draft tolerates its own imperfect predictions
+at later steps. The draft vocabulary (FR-Spec, Zhao et al. 2025) is the N tokens the target
+predicts most on these rows, counted in the same feature pass.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdec.distill.train import lr_factor
+from specdec.eagle import EagleDraft
+
+
+@dataclass
+class FeatureCache:
+    """Rows of tokens with the target's final-norm features (bf16), plus greedy-prediction counts."""
+
+    tokens: list[Tensor]  # each [L] long
+    feats: list[Tensor]  # each [L, hidden] bfloat16
+    kinds: list[str]
+    pred_counts: Tensor  # [vocab] how often the target's greedy prediction was each token
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @classmethod
+    @torch.inference_mode()
+    def build(cls, target, rows: list[tuple[str, list[int]]], batch_rows: int = 8, desc: str = "teacher features",
+              path: Path | None = None, save_every: int = 1024) -> "FeatureCache":
+        """Prefill `rows` ((kind, token ids)) through `target`; resumes from and saves to `path`
+        every `save_every` rows (rows keep their order; within a chunk, similar lengths batch)."""
+        from tqdm import tqdm
+
+        cache = cls.load(path) if path is not None and Path(path).is_file() else \
+            cls([], [], [], torch.zeros(target.args.vocab_size, dtype=torch.long))
+        todo = rows[len(cache.tokens):]
+        bar = tqdm(total=sum(len(r) for _, r in todo), desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+        for c in range(0, len(todo), save_every):
+            chunk = todo[c: c + save_every]
+            out: dict[int, tuple[Tensor, Tensor]] = {}
+            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][1]))
+            for b in range(0, len(order), batch_rows):
+                idx = order[b: b + batch_rows]
+                for i, t, f in zip(idx, *cache._prefill(target, [chunk[i][1] for i in idx])):
+                    out[i] = (t, f)
+                bar.update(sum(len(chunk[i][1]) for i in idx))
+            for i, (kind, _) in enumerate(chunk):
+                cache.tokens.append(out[i][0])
+                cache.feats.append(out[i][1])
+                cache.kinds.append(kind)
+            if path is not None:
+                cache.save(path)
+        bar.close()
+        return cache
+
+    def _prefill(self, target, rows: list[list[int]]) -> tuple[list[Tensor], list[Tensor]]:
+        T = max(len(r) for r in rows)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, ids in enumerate(rows):
+            tokens[r, : len(ids)] = torch.tensor(ids)
+        if target.num_slots < len(rows) or target.max_len < T or target.layers[0].self_attn.kv_cache is None:
+            target.setup_cache(max(len(rows), target.num_slots), max(T, target.max_len))
+        h = target.hidden_states(tokens, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long))
+        pred = target.lm_head(h).argmax(-1)  # [b, T] the target's greedy tokens: ranks the draft vocabulary
+        toks, feats = [], []
+        for r, ids in enumerate(rows):
+            n = len(ids)
+            self.pred_counts += torch.bincount(pred[r, :n], minlength=len(self.pred_counts))
+            toks.append(tokens[r, :n].clone())
+            feats.append(h[r, :n].to(torch.bfloat16).clone())
+        return toks, feats
+
+    def save(self, path: Path) -> None:
+        tmp = Path(str(path) + ".tmp")
+        torch.save({"tokens": self.tokens, "feats": self.feats, "kinds": self.kinds,
+                    "pred_counts": self.pred_counts}, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "FeatureCache":
+        d = torch.load(path, weights_only=True)
+        return cls(d["tokens"], d["feats"], d["kinds"], d["pred_counts"])
+
+    def select_vocab(self, n: int, specials: list[int]) -> tuple[list[int], dict]:
+        """The n tokens the target predicted most (plus `specials`) and their coverage."""
+        V = len(self.pred_counts)
+        if n <= 0 or n >= V:
+            return list(range(V)), {"coverage": 1.0}
+        score = self.pred_counts.double()
+        score[specials] = -1
+        kept = sorted(set(score.topk(n - len(specials)).indices.tolist()) | set(specials))
+        cov = self.pred_counts[kept].sum().item() / max(1, self.pred_counts.sum().item())
+        return kept, {"coverage": round(cov, 4), "tokens": int(self.pred_counts.sum())}
+
+
+@dataclass
+class EagleTrainConfig:
+    minutes: float | None = 30.0
+    steps: int | None = None
+    batch_tokens: int = 4096
+    lr: float = 5e-4
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    cls_weight: float = 0.5  # CE weight beside the feature regression
+    noise: float = 0.1  # U(-noise, noise) added to input features
+    save_minutes: float = 5.0
+    seed: int = 0
+    amp: bool = True
+
+
+def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, cfg: EagleTrainConfig,
+               train: bool = True) -> tuple[Tensor, dict]:
+    """feats [B, L, hidden] f_0..f_{L-1}, tokens [B, L] x_0..x_{L-1}, mask [B, L] real positions."""
+    f_in, f_out = feats[:, :-1].float(), feats[:, 1:].float()
+    if train and cfg.noise > 0:
+        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.noise
+    m = (mask[:, 1:] & mask[:, :-1]).float()  # [B, L-1] positions with a real next token
+    n = m.sum().clamp_min(1)
+    g = draft.forward_train(f_in, tokens[:, 1:]).float()  # [B, L-1, hidden] ~ f_1..f_{L-1}
+    reg = (F.smooth_l1_loss(g, f_out, reduction="none").mean(-1) * m).sum() / n
+    head = draft.lm_head.weight.float()
+    t_logits = f_out @ head.T  # [B, L-1, N] the teacher at p+1
+    s_logits = g @ head.T
+    p = torch.softmax(t_logits, -1)
+    ce = (-(p * torch.log_softmax(s_logits, -1)).sum(-1) * m).sum() / n
+    top1 = ((s_logits.argmax(-1) == t_logits.argmax(-1)).float() * m).sum() / n
+    return reg + cfg.cls_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
+
+
+def _batches(cache: FeatureCache, idx: list[int], batch_tokens: int):
+    """Groups of row indices of similar length with about batch_tokens tokens each."""
+    idx = sorted(idx, key=lambda i: len(cache.tokens[i]))
+    groups, cur, cur_max = [], [], 0
+    for i in idx:
+        L = len(cache.tokens[i])
+        if cur and max(cur_max, L) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, L)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _collate(cache: FeatureCache, rows: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    L = max(len(cache.tokens[i]) for i in rows)
+    H = cache.feats[rows[0]].shape[-1]
+    tokens = torch.zeros(len(rows), L, dtype=torch.long)
+    feats = torch.zeros(len(rows), L, H, dtype=torch.bfloat16)
+    mask = torch.zeros(len(rows), L, dtype=torch.bool)
+    for r, i in enumerate(rows):
+        n = len(cache.tokens[i])
+        tokens[r, :n], feats[r, :n], mask[r, :n] = cache.tokens[i], cache.feats[i], True
+    return feats, tokens, mask
+
+
+class EagleTrainer:
+    """Epochs over the feature cache (shuffled length-bucketed batches), AdamW with warmup and a
+    cosine schedule on the run's progress; `ckpt.pt` (model, optimizer, step, time) every
+    `save_minutes`, so a resumed run continues the same schedule."""
+
+    def __init__(self, draft: EagleDraft, cache: FeatureCache, cfg: EagleTrainConfig, out: Path,
+                 state: dict | None = None):
+        self.draft, self.cache, self.cfg, self.out = draft, cache, cfg, Path(out)
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.step, self.elapsed, self.epoch, self.tokens_seen = 0, 0.0, 0, 0
+        self.last: dict = {}
+        if state is not None:
+            draft.load_state_dict(state["model"], strict=False)
+            self.opt.load_state_dict(state["opt"])
+            self.step, self.elapsed = state["step"], state["elapsed"]
+            self.epoch, self.tokens_seen = state.get("epoch", 0), state.get("tokens_seen", 0)
+
+    def progress(self) -> float:
+        parts = []
+        if self.cfg.minutes:
+            parts.append(self.elapsed / (60 * self.cfg.minutes))
+        if self.cfg.steps:
+            parts.append(self.step / self.cfg.steps)
+        return max(parts) if parts else 1.0
+
+    def save(self) -> None:
+        state = {"model": self.draft.trained_state(), "opt": self.opt.state_dict(), "step": self.step,
+                 "elapsed": self.elapsed, "epoch": self.epoch, "tokens_seen": self.tokens_seen,
+                 "cfg": asdict(self.cfg), "token_map": self.draft.token_map.tolist()}
+        tmp = self.out / "ckpt.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.out / "ckpt.pt")
+
+    def train_step(self, rows: list[int]) -> dict:
+        feats, tokens, mask = _collate(self.cache, rows)
+        lr = self.cfg.lr * lr_factor(self.step, self.progress(), self.cfg.warmup, self.cfg.min_lr_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.amp):
+            loss, info = eagle_loss(self.draft, feats, tokens, mask, self.cfg)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.step += 1
+        self.tokens_seen += int(mask.sum())
+        return {**info, "loss": loss.item(), "lr": lr}
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        self.draft.train()
+        bar = tqdm(total=100, desc="train eagle", unit="%", dynamic_ncols=True, initial=int(100 * self.progress()))
+        last_save = time.perf_counter()
+        ema = None
+        while self.progress() < 1.0:
+            rng = random.Random(self.cfg.seed * 1000 + self.epoch)
+            groups = _batches(self.cache, list(range(len(self.cache.tokens))), self.cfg.batch_tokens)
+            rng.shuffle(groups)
+            for rows in groups:
+                if self.progress() >= 1.0:
+                    break
+                t0 = time.perf_counter()
+                info = self.train_step(rows)
+                self.elapsed += time.perf_counter() - t0
+                ema = info if ema is None else {k: 0.95 * ema[k] + 0.05 * v for k, v in info.items()}
+                bar.n = int(100 * min(1.0, self.progress()))
+                bar.set_postfix(step=self.step, ep=self.epoch, loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}",
+                                tok_s=f"{self.tokens_seen / max(self.elapsed, 1e-9):.0f}")
+                bar.refresh()
+                if time.perf_counter() - last_save > 60 * self.cfg.save_minutes:
+                    self.save()
+                    last_save = time.perf_counter()
+            else:
+                self.epoch += 1
+        bar.close()
+        self.save()
+        self.last = ema or {}
+        self.draft.eval()
+        return {"steps": self.step, "epochs": round(self.epoch + 0.0, 2), "minutes": round(self.elapsed / 60, 2),
+                "tokens_seen": self.tokens_seen, "train_top1": round(self.last.get("top1", 0.0), 4),
+                "train_loss": round(self.last.get("loss", 0.0), 4)}
+
+
+@torch.no_grad()
+def heldout_top1(draft: EagleDraft, cache: FeatureCache, cfg: EagleTrainConfig, max_rows: int = 64) -> float:
+    """First-step agreement with the target's greedy token on held-out rows (teacher-forced)."""
+    rows = list(range(min(max_rows, len(cache.tokens))))
+    if not rows:
+        return float("nan")
+    tot = n = 0.0
+    for group in _batches(cache, rows, cfg.batch_tokens):
+        feats, tokens, mask = _collate(cache, group)
+        _, info = eagle_loss(draft, feats, tokens, mask, cfg, train=False)
+        w = float((mask[:, 1:] & mask[:, :-1]).sum())
+        tot, n = tot + info["top1"] * w, n + w
+    return tot / max(n, 1.0)

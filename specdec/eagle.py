@@ -1,0 +1,181 @@
+"""An EAGLE-style draft (Li et al. 2024, EAGLE-1): autoregression over the target's *features*.
+
+The target's final-norm feature f_p at position p already decides the token at p+1 (logits =
+head(f_p)). EAGLE drafts in feature space: one decoder layer reads, at every position p,
+
+    e_p = fc([f_p ; embed(x_{p+1})])          # [hidden] from [2 * hidden]
+
+(the feature and the token it produced, which removes the sampling ambiguity) and predicts
+g_p ~ f_{p+1}; the token after x_{p+1} is drafted from head(g_p). Later draft steps feed their own
+predictions g back in place of the target's features. The embedding and the head are the
+target's own, frozen and not stored: the head keeps only the rows of a reduced vocabulary
+(FR-Spec, Zhao et al. 2025), which the rejection sampler handles losslessly. What a checkpoint
+holds is small: fc and the decoder layer (~4.5M parameters for a 576-wide target).
+
+The layer's KV cache is the same slot cache as the target's (specdec.model), indexed by position
+relative to the first feature the draft saw for a sequence (`base`): attention with rotary
+embeddings depends only on position differences, so a draft that joins a sequence late (a
+restarted replica) just attends to fewer positions. Checkpoint layout (a directory):
+config.json (the layer's dimensions), model.safetensors (fc + layers), the tokenizer, and
+specdec.json with {"kind": "eagle", "target": ..., "draft_vocab": [...]}.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from specdec.model import BatchIndex, DecoderLayer, ModelArgs, Transformer
+
+EAGLE_KIND = "eagle"
+
+
+class EagleDraft(Transformer):
+    """fc over [feature; next-token embedding] + `num_layers` decoder layers + the target's head rows."""
+
+    def __init__(self, args: ModelArgs, draft_vocab: int, num_layers: int = 1):
+        nn.Module.__init__(self)
+        self.args = ModelArgs(**{**asdict(args), "num_layers": num_layers})
+        H = args.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.layers = nn.ModuleList(DecoderLayer(self.args) for _ in range(num_layers))
+        self.embed_tokens = nn.Embedding(args.vocab_size, H)  # the target's, frozen, not saved
+        self.lm_head = nn.Linear(H, draft_vocab, bias=False)  # the target's kept rows, frozen, not saved
+        self.register_buffer("token_map", torch.arange(draft_vocab), persistent=False)
+        self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
+        self.attention_scaling = 1.0
+        self.num_slots = self.max_len = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @classmethod
+    def for_target(cls, target: Transformer, token_map: Tensor, num_layers: int = 1,
+                   args: ModelArgs | None = None) -> "EagleDraft":
+        """A fresh draft (float32 fc and layers) sharing `target`'s embedding and the head rows of
+        `token_map` (frozen). `args` overrides the layer's sizes (default: the target's)."""
+        args = args or target.args
+        with torch.device("meta"):
+            draft = cls(args, len(token_map), num_layers)
+        with torch.device(target.device):
+            draft.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=True)
+            draft.layers = nn.ModuleList(DecoderLayer(draft.args) for _ in range(num_layers))
+        draft.attach_target(target, token_map)
+        return draft
+
+    def attach_target(self, target: Transformer, token_map: Tensor) -> None:
+        """Share the target's embedding and take its head rows for `token_map` (both frozen)."""
+        self.embed_tokens = target.embed_tokens
+        self.embed_tokens.weight.requires_grad_(False)
+        w = target.lm_head.weight.detach()[token_map.to(target.lm_head.weight.device)]
+        self.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(w.clone(), requires_grad=False)
+        self.token_map = token_map.to(w.device)
+        self.inv_freq, self.attention_scaling = target.inv_freq, target.attention_scaling
+
+    def trained_state(self) -> dict[str, Tensor]:
+        """What a checkpoint stores: fc and the decoder layers (not the shared embedding/head)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layers."))}
+
+    # ---- forward passes --------------------------------------------------------------------
+    def _inputs(self, features: Tensor, tokens: Tensor) -> Tensor:
+        # features: [B, T, hidden] (f_p or the draft's own g), tokens: [B, T] (x_{p+1})
+        return self.fc(torch.cat([features.to(self.dtype), self.embed_tokens(tokens).to(self.dtype)], dim=-1))
+
+    def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
+                n_logits: int = 1, n_hidden: int = 0, features: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Cache-backed, ragged (as Transformer.forward). Returns (logits over the reduced vocab
+        [B, n, V_draft] float32, predicted features g [B, n, hidden])."""
+        rows = BatchIndex.build(slots, starts, tokens.shape[1])
+        return self.head(self._body(self._inputs(features, tokens), rows), last, n_logits, n_hidden)
+
+    def _body(self, x: Tensor, rows: BatchIndex) -> Tensor:
+        cos, sin = self.rope(rows.pos_grid)
+        for layer in self.layers:
+            x = layer(x, cos, sin, rows)
+        return x
+
+    def forward_train(self, features: Tensor, next_tokens: Tensor) -> Tensor:
+        """Whole sequences without a cache (the layers must have none): features f_0..f_{T-1}
+        [B, T, hidden], next_tokens x_1..x_T [B, T] -> predicted features g [B, T, hidden]."""
+        B, T = next_tokens.shape
+        zeros = torch.zeros(B, dtype=torch.long, device=next_tokens.device)
+        rows = BatchIndex.build(torch.arange(B, device=next_tokens.device), zeros, T)
+        return self._body(self._inputs(features, next_tokens), rows)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save(self, out: Path, tokenizer, extra: dict, dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        a = self.args
+        config = {"architectures": ["SpecdecEagleDraft"], "model_type": "specdec_eagle",
+                  "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+                  "num_hidden_layers": a.num_layers, "num_attention_heads": a.num_heads,
+                  "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "rms_norm_eps": a.rms_norm_eps,
+                  "vocab_size": a.vocab_size, "draft_vocab_size": int(self.lm_head.weight.shape[0])}
+        (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.trained_state().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        extra = {**extra, "kind": EAGLE_KIND, "draft_vocab": [int(t) for t in self.token_map.tolist()]}
+        (out / "specdec.json").write_text(json.dumps(extra) + "\n")
+
+
+def _dir(spec: str | Path) -> Path:
+    from specdec.loader import ModelLoadError, resolve
+    try:
+        return resolve(spec).path
+    except ModelLoadError:
+        return Path(spec)
+
+
+def is_eagle(spec: str | Path | None) -> bool:
+    """True when `spec` (a directory or a bundled name) is an EAGLE-style draft checkpoint."""
+    if spec is None:
+        return False
+    f = _dir(spec) / "specdec.json"
+    return f.is_file() and json.loads(f.read_text()).get("kind") == EAGLE_KIND
+
+
+def check_eagle_fits(path: str | Path, target_args: ModelArgs) -> dict:
+    """Refuse a draft trained for another target shape; returns the draft's config."""
+    config = json.loads((_dir(path) / "config.json").read_text())
+    for key, mine in (("hidden_size", target_args.hidden_size), ("vocab_size", target_args.vocab_size)):
+        if config[key] != mine:
+            raise ValueError(f"EAGLE draft {path} was trained for {key}={config[key]}, the target has {mine}")
+    return config
+
+
+def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> EagleDraft:
+    """Load an EAGLE checkpoint directory onto `target` (whose embedding and head it shares)."""
+    from safetensors.torch import load_file
+
+    if not is_eagle(path):
+        raise ValueError(f"{path} is not an EAGLE draft (its specdec.json lacks kind={EAGLE_KIND!r})")
+    path = _dir(path)
+    a = target.args
+    config = check_eagle_fits(path, a)
+    extra = json.loads((path / "specdec.json").read_text())
+    args = ModelArgs(**{**asdict(a), "intermediate_size": config["intermediate_size"],
+                        "num_heads": config["num_attention_heads"], "num_kv_heads": config["num_key_value_heads"],
+                        "head_dim": config["head_dim"]})
+    draft = EagleDraft.for_target(target, torch.tensor(extra["draft_vocab"], dtype=torch.long),
+                                  config["num_hidden_layers"], args)
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    trained = set(draft.trained_state())
+    if unexpected or trained & set(missing):
+        raise ValueError(f"EAGLE checkpoint {path} does not match: missing {sorted(trained & set(missing))[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    draft.extra = extra
+    dtype = dtype or target.dtype
+    draft.fc.to(dtype)
+    draft.layers.to(dtype)
+    return draft.eval()
