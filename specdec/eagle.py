@@ -99,13 +99,30 @@ class EagleDraft(Transformer):
             x = layer(x, cos, sin, rows)
         return x
 
-    def forward_train(self, features: Tensor, next_tokens: Tensor) -> Tensor:
-        """Whole sequences without a cache (the layers must have none): features f_0..f_{T-1}
-        [B, T, hidden], next_tokens x_1..x_T [B, T] -> predicted features g [B, T, hidden]."""
+    def forward_train(self, features: Tensor, next_tokens: Tensor,
+                      context: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list]:
+        """Whole sequences without the slot cache: features f_0..f_{T-1} [B, T, hidden], next_tokens
+        x_1..x_T [B, T] -> (predicted features g [B, T, hidden], this pass's keys/values per layer).
+
+        With `context` (a previous pass's keys/values), position p attends to the context at
+        positions < p and to its own entry at p only: exactly a second draft step at inference,
+        where the true entries precede one entry built from the draft's own prediction."""
         B, T = next_tokens.shape
-        zeros = torch.zeros(B, dtype=torch.long, device=next_tokens.device)
-        rows = BatchIndex.build(torch.arange(B, device=next_tokens.device), zeros, T)
-        return self._body(self._inputs(features, next_tokens), rows)
+        dev = next_tokens.device
+        rows = BatchIndex.build(torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev), T)
+        if context is not None:
+            eye = torch.eye(T, dtype=torch.bool, device=dev).expand(B, 1, T, T)
+            rows.mask = torch.cat([rows.mask & ~eye, eye], dim=-1)  # [B, 1, T, 2T]
+        kvs = [_TrainKV(None if context is None else context[i]) for i in range(len(self.layers))]
+        saved = [layer.self_attn.kv_cache for layer in self.layers]
+        for layer, kv in zip(self.layers, kvs):
+            layer.self_attn.kv_cache = kv
+        try:
+            g = self._body(self._inputs(features, next_tokens), rows)
+        finally:
+            for layer, kv in zip(self.layers, saved):
+                layer.self_attn.kv_cache = kv
+        return g, [(kv.k, kv.v) for kv in kvs]
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, out: Path, tokenizer, extra: dict, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -179,3 +196,20 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
     draft.fc.to(dtype)
     draft.layers.to(dtype)
     return draft.eval()
+
+
+class _TrainKV(nn.Module):
+    """Stands in for a layer's KV cache in training: records this pass's keys/values and
+    prepends a previous pass's (see EagleDraft.forward_train)."""
+
+    def __init__(self, context: tuple[Tensor, Tensor] | None):
+        super().__init__()
+        self.context = context
+        self.k = self.v = None
+
+    def update(self, rows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k, self.v = k, v
+        if self.context is None:
+            return k, v
+        return torch.cat([self.context[0], k], dim=1), torch.cat([self.context[1], v], dim=1)
+

@@ -61,19 +61,21 @@ class Recorder(EagleProposer):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.seen = []  # (seq_id, n tokens, draft token 1)
+        self.seen = []  # (seq_id, n tokens, draft tokens)
 
     def propose(self, batch):
         out = super().propose(batch)
         for i, sid in enumerate(batch.seq_ids):
             if out.num_draft[i] > 0:
-                self.seen.append((sid, len(self.table[sid].tokens) - out.num_draft[i] + 1, int(out.tokens[i, 0])))
+                n = len(self.table[sid].tokens) - out.num_draft[i] + 1
+                self.seen.append((sid, n, out.tokens[i, : out.num_draft[i]].tolist()))
         return out
 
 
 def test_eagle_cache_matches_a_full_recompute(target, prompts):
-    """The first draft token of every round equals the one a cache-free pass over the target's
-    true features gives: prefill features, per-round features and rollback line up."""
+    """The first two draft tokens of every round equal those of a cache-free pass over the
+    target's true features (step 2: the last input replaced by the draft's own prediction):
+    prefill features, per-round features, tentative entries and rollback line up."""
     draft = make_eagle(target, vocab=target.args.vocab_size)  # full head: argmax ids are token ids
     rec = Recorder(draft, 8, 512)
     eng = engine(target, rec, k=3)
@@ -81,14 +83,33 @@ def test_eagle_cache_matches_a_full_recompute(target, prompts):
     by_id = {s.seq_id: s for s in seqs}
     checked = 0
     with torch.inference_mode():
-        for sid, n, tok in rec.seen:
+        for sid, n, drafts in rec.seen:
             x = torch.tensor(by_id[sid].tokens)[None]  # [1, L]
             target.setup_cache(1, x.shape[1] + 8)
             f = target.hidden_states(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-            g = draft.forward_train(f[:, : n - 1], x[:, 1:n])  # [1, n-1, hidden]; g[n-2] drafts x_n
-            assert int(draft.lm_head(g[0, -1]).argmax()) == tok
+            g, _ = draft.forward_train(f[:, : n - 1], x[:, 1:n])  # [1, n-1, hidden]; g[n-2] drafts x_n
+            assert int(draft.lm_head(g[0, -1]).argmax()) == drafts[0]
+            if len(drafts) > 1:  # step 2 reads (g_{n-2}, d_1) at position n-1
+                g2, _ = draft.forward_train(torch.cat([f[:, : n - 1], g[:, -1:]], 1),
+                                            torch.cat([x[:, 1:n], torch.tensor([[drafts[0]]])], 1))
+                assert int(draft.lm_head(g2[0, -1]).argmax()) == drafts[1]
             checked += 1
     assert checked >= 10
+
+
+def test_second_pass_with_context_is_the_second_draft_step(target):
+    """forward_train(context=...) gives, at every position p, what inference's second step gives:
+    true entries before p, one entry from the draft's own prediction at p."""
+    draft = make_eagle(target)
+    torch.manual_seed(0)
+    B, T, H = 2, 12, target.args.hidden_size
+    f, x = torch.randn(B, T, H), torch.randint(0, target.args.vocab_size, (B, T))
+    with torch.no_grad():
+        g1, kv = draft.forward_train(f, x)
+        g2, _ = draft.forward_train(torch.cat([f[:, :1], g1[:, :-1]], 1), x, context=kv)
+        for p in (1, 5, T - 1):
+            ref, _ = draft.forward_train(torch.cat([f[:, :p], g1[:, p - 1: p]], 1), x[:, : p + 1])
+            torch.testing.assert_close(g2[:, p], ref[:, p], atol=1e-5, rtol=1e-5)
 
 
 def test_eagle_checkpoint_roundtrip(target, tiny_dir, tiny_tok, tmp_path, prompts):

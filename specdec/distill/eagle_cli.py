@@ -35,6 +35,8 @@ def add_arguments(p) -> None:
     g.add_argument("--text-tokens", type=int, default=200_000, help="plain-text tokens prefilled for features")
     g.add_argument("--cls-weight", type=float, default=0.5, help="CE weight beside the feature regression")
     g.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features")
+    g.add_argument("--train-steps", type=int, default=2, choices=[1, 2],
+                   help="draft steps trained: 2 adds a pass on the draft's own predicted features")
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
 
 
@@ -79,7 +81,7 @@ def run(args, argv: list[str]) -> dict:
           f"greedy predictions on the training rows", flush=True)
     draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long))
     cfg = EagleTrainConfig(minutes=args.minutes, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                           warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise,
+                           warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise, draft_steps=args.train_steps,
                            save_minutes=args.save_minutes, seed=args.seed, amp=not args.no_amp)
     trainer = EagleTrainer(draft, cache, cfg, work, state=ckpt)
     if ckpt is not None:

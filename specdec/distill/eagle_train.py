@@ -8,8 +8,9 @@ several passes over it at the draft's own speed (one layer: several thousand tok
 Rows: the target's own greedy answers to training chat prompts and code prefixes (the serving
 distribution; specdec.distill.answers) and packed plain text (stdlib source and pydoc prose).
 Loss per position p (EAGLE-1): smooth-L1(g_p, f_{p+1}) + w * CE(softmax(head(f_{p+1})), head(g_p)),
-with uniform noise on the input features so the draft tolerates its own imperfect predictions
-at later steps. The draft vocabulary (FR-Spec, Zhao et al. 2025) is the N tokens the target
+with uniform noise on the input features, plus the same loss for a second pass that reads the
+draft's own predicted features where inference's second step does (after HASS, Zhang et al.
+2024, and EAGLE-3's training-time test), so later draft steps degrade less. The draft vocabulary (FR-Spec, Zhao et al. 2025) is the N tokens the target
 predicts most on these rows, counted in the same feature pass.
 """
 from __future__ import annotations
@@ -120,6 +121,8 @@ class EagleTrainConfig:
     min_lr_ratio: float = 0.1
     cls_weight: float = 0.5  # CE weight beside the feature regression
     noise: float = 0.1  # U(-noise, noise) added to input features
+    draft_steps: int = 2  # 2: also train the second draft step on the draft's own features
+    step2_weight: float = 0.7
     save_minutes: float = 5.0
     seed: int = 0
     amp: bool = True
@@ -127,21 +130,40 @@ class EagleTrainConfig:
 
 def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, cfg: EagleTrainConfig,
                train: bool = True) -> tuple[Tensor, dict]:
-    """feats [B, L, hidden] f_0..f_{L-1}, tokens [B, L] x_0..x_{L-1}, mask [B, L] real positions."""
+    """feats [B, L, hidden] f_0..f_{L-1}, tokens [B, L] x_0..x_{L-1}, mask [B, L] real positions.
+
+    Step 1: position p reads (f_p, x_{p+1}) and predicts g_p ~ f_{p+1}. With cfg.draft_steps = 2, a
+    second pass reads (g_{p-1}, x_{p+1}) -- the draft's own prediction of f_p, as at the second
+    draft step of inference -- attending to the first pass's entries before p, and is trained on
+    the same targets (weighted cfg.step2_weight): later draft steps degrade less."""
     f_in, f_out = feats[:, :-1].float(), feats[:, 1:].float()
     if train and cfg.noise > 0:
         f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.noise
     m = (mask[:, 1:] & mask[:, :-1]).float()  # [B, L-1] positions with a real next token
-    n = m.sum().clamp_min(1)
-    g = draft.forward_train(f_in, tokens[:, 1:]).float()  # [B, L-1, hidden] ~ f_1..f_{L-1}
-    reg = (F.smooth_l1_loss(g, f_out, reduction="none").mean(-1) * m).sum() / n
     head = draft.lm_head.weight.float()
-    t_logits = f_out @ head.T  # [B, L-1, N] the teacher at p+1
+    p_teacher = torch.softmax(f_out @ head.T, -1)  # [B, L-1, N] the teacher at p+1
+    t_top = p_teacher.argmax(-1)
+    g, kv = draft.forward_train(f_in, tokens[:, 1:])  # [B, L-1, hidden] ~ f_1..f_{L-1}
+    loss, info = _step_loss(g, f_out, head, p_teacher, t_top, m, cfg.cls_weight)
+    if cfg.draft_steps >= 2:
+        f2 = torch.cat([f_in[:, :1], g[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
+        g2, _ = draft.forward_train(f2, tokens[:, 1:], context=kv)
+        m2 = m.clone()
+        m2[:, 0] = 0  # position 0 has no earlier prediction
+        loss2, info2 = _step_loss(g2, f_out, head, p_teacher, t_top, m2, cfg.cls_weight)
+        loss = loss + cfg.step2_weight * loss2
+        info["top1_step2"] = info2["top1"]
+    return loss, info
+
+
+def _step_loss(g, f_out, head, p_teacher, t_top, m, cls_weight):
+    n = m.sum().clamp_min(1)
+    g = g.float()
+    reg = (F.smooth_l1_loss(g, f_out, reduction="none").mean(-1) * m).sum() / n
     s_logits = g @ head.T
-    p = torch.softmax(t_logits, -1)
-    ce = (-(p * torch.log_softmax(s_logits, -1)).sum(-1) * m).sum() / n
-    top1 = ((s_logits.argmax(-1) == t_logits.argmax(-1)).float() * m).sum() / n
-    return reg + cfg.cls_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
+    ce = (-(p_teacher * torch.log_softmax(s_logits, -1)).sum(-1) * m).sum() / n
+    top1 = ((s_logits.argmax(-1) == t_top).float() * m).sum() / n
+    return reg + cls_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
 
 
 def _batches(cache: FeatureCache, idx: list[int], batch_tokens: int):
@@ -241,6 +263,7 @@ class EagleTrainer:
                 ema = info if ema is None else {k: 0.95 * ema[k] + 0.05 * v for k, v in info.items()}
                 bar.n = int(100 * min(1.0, self.progress()))
                 bar.set_postfix(step=self.step, ep=self.epoch, loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}",
+                                top1_2=f"{ema.get('top1_step2', 0.0):.3f}",
                                 tok_s=f"{self.tokens_seen / max(self.elapsed, 1e-9):.0f}")
                 bar.refresh()
                 if time.perf_counter() - last_save > 60 * self.cfg.save_minutes:
