@@ -65,17 +65,19 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar):
     return {"tps": tokens / wall, "ttft": statistics.median(ttft), "itl": statistics.median(itl)}
 
 
-def engine_baseline(target, dtype, max_tokens, n_prompts=4) -> float:
-    """In-process engine tokens/s at batch 1 (plain and adaptive n-gram), same prompts."""
+def engine_baseline(target, dtype, max_tokens, proposer="ngram", draft=None, n_prompts=4) -> float:
+    """In-process engine tokens/s at batch 1 (adaptive, the service's proposer), same prompts."""
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.loader import load_model, load_tokenizer, parse_dtype
     from specdec.prompts import encode_chat
-    from specdec.proposers import NgramProposer
+    from specdec.proposers import build_proposer
     from specdec.sampling import SamplingParams
     from specdec.target import TargetWorker
     tok = load_tokenizer(target)
     model = load_model(target, dtype=parse_dtype(dtype))
-    eng = LLMEngine(TargetWorker(model, 1, 2048), NgramProposer(), tok, EngineConfig(max_batch_size=1))
+    prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),
+                          num_slots=1, max_model_len=2048)
+    eng = LLMEngine(TargetWorker(model, 1, 2048), prop, tok, EngineConfig(max_batch_size=1))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS[:n_prompts]]
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))
@@ -89,7 +91,8 @@ def main(argv=None):
     ap.add_argument("--url", default=None, help="a running service; default: start the demo pair locally")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--proposer", default="ngram")
+    ap.add_argument("--proposer", default=None, help="default: the app's default (AppArgs)")
+    ap.add_argument("--draft", default=None, help="draft checkpoint for proposer draft/eagle/hybrid")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=0, help="per level (default: 2 x concurrency, >= 4)")
@@ -105,8 +108,9 @@ def main(argv=None):
         from serve_app import build_app
         ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": 8765})
-        serve.run(build_app({"target": a.target, "proposer": a.proposer, "dtype": a.dtype,
-                             "max_batch_size": max(levels)}), name="bench", route_prefix="/")
+        args = {"target": a.target, "dtype": a.dtype, "max_batch_size": max(levels)}
+        args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})
+        serve.run(build_app(args), name="bench", route_prefix="/")
         url = "http://127.0.0.1:8765"
     n_req = {c: a.requests or max(4, 2 * c) for c in levels}
     bar = tqdm(total=2 * sum(n_req.values()), desc="http bench")
@@ -122,8 +126,11 @@ def main(argv=None):
             split = {k: (after[k] - before[k]) / max(1, rounds) * 1e3 for k in ("draft_time", "target_time", "round_time")}
             rows.append((c, spec, r, acc, split))
     bar.close()
-    base = None if a.no_engine else engine_baseline(a.target, a.dtype, a.max_tokens)
-    print(f"\n{a.model} via {url}, greedy streaming chat, {a.max_tokens} tokens, {a.dtype}")
+    from serve_app.args import AppArgs
+    app = AppArgs(**{k: v for k, v in (("target", a.target), ("proposer", a.proposer), ("draft", a.draft))
+                     if v is not None})
+    base = None if a.no_engine else engine_baseline(a.target, a.dtype, a.max_tokens, app.proposer, app.draft)
+    print(f"\n{a.model} via {url} (proposer {app.proposer}), greedy streaming chat, {a.max_tokens} tokens, {a.dtype}")
     print("| concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | round ms (draft / target / other) | spec/off |")
     print("|---|---|---|---|---|---|---|---|")
     off = {}
@@ -136,7 +143,7 @@ def main(argv=None):
               f"{r['tps'] / off[c]:.2f}x |")
     if base:
         c1 = next(r for c, s, r, _, _ in rows if c == 1 and s) if 1 in levels else None
-        print(f"\nin-process engine, batch 1, adaptive n-gram: {base:.1f} tokens/s"
+        print(f"\nin-process engine, batch 1, adaptive {app.proposer}: {base:.1f} tokens/s"
               + (f"; service at concurrency 1 keeps {c1['tps'] / base:.0%}" if c1 else ""))
 
 

@@ -85,6 +85,6 @@ class TargetWorker:
                 st.tokens.extend(emitted)
                 tokens[i], n_acc_out[i] = emitted, m
                 if hidden_rows is not None:  # features of every position now confirmed but the last
-                    hidden_out[i] = hidden_rows[r][: n_conf[r] + m]
+                    hidden_out[i] = hidden_rows[r][: n_conf[r] + m].cpu()  # crosses processes: host memory
                     hidden_start[i] = starts[r]
         return VerifyOutput(tokens, n_acc_out, unknown, time.perf_counter() - t0, hidden_out, hidden_start)

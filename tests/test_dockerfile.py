@@ -237,5 +237,6 @@ def test_dockerignore_excludes_venv_and_junk():
 def test_dockerignore_keeps_what_the_image_needs():
     for path in ("pyproject.toml", "README.md", "docker/constraints.txt", "specdec/engine.py",
                  "deployments/target.py", "serve_app/builder.py", "drafts/tiny/model.safetensors",
+                 "specdec/drafts/smollm2-eagle/model.safetensors", "specdec/drafts/smollm2-eagle/specdec.json",
                  "serve_config.yaml"):
         assert not _dockerignored(path), f"{path} is excluded from the build context"

@@ -428,12 +428,12 @@ def test_router_and_draft_fit_cpu_group(name, rs, app):
 
 @pytest.mark.parametrize("name,rs,app", APPS, ids=APP_IDS)
 def test_draft_model_gets_a_gpu_on_cuda(name, rs, app):
-    """The code loads a draft model (proposer draft/self) on `device`; n-gram runs on CPU."""
+    """The code loads a draft model (proposer draft/eagle/hybrid/self) on `device`; n-gram runs on CPU."""
     args = _app_args_cls()(**app["args"])
     draft = next((d for d in app["deployments"] if d["name"] == "Draft"), None)
     if draft is None or "ray_actor_options" not in draft:
         return
-    if args.device == "cuda" and args.proposer in ("draft", "self"):
+    if args.device == "cuda" and args.proposer in ("draft", "eagle", "hybrid", "self"):
         assert float(draft["ray_actor_options"].get("num_gpus") or 0) > 0, \
             f"proposer={args.proposer} on cuda: Draft replicas need a GPU (ray_actor_options.num_gpus)"
 

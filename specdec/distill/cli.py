@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
         given = any(a.startswith("--target") for a in argv)
         target = args.target if given else resolve_extra(d).get("target", args.target)
         metrics = run_eval(d, target, args)
-        _update_metrics(d, metrics)
+        extra = _update_metrics(d, metrics)
+        if is_eagle(d):
+            eagle_cli.write_model_card(d, extra)
         return metrics
     if not args.out:
         raise SystemExit("--out is required (or --eval-only DIR)")
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         extra = eagle_cli.run(args, argv)
         if args.eval_prompts > 0:
             extra = _update_metrics(Path(args.out), run_eval(Path(args.out), args.target, args))
+        eagle_cli.write_model_card(Path(args.out), extra)
         print(json.dumps({k: v for k, v in extra["metrics"].items() if k != "acceptance"}, indent=1))
         return extra["metrics"]
     out = Path(args.out)

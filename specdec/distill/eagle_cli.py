@@ -94,3 +94,36 @@ def run(args, argv: list[str]) -> dict:
     draft.save(out, tok, extra, parse_dtype(args.save_dtype))
     print(f"saved {out} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)
     return extra
+
+
+def write_model_card(out: Path, extra: dict) -> Path:
+    """README.md beside the checkpoint: what it is, the exact command, data, size and measurements."""
+    out = Path(out)
+    m = extra.get("metrics", {})
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    acc = m.get("acceptance", {})
+    lines = [
+        f"# EAGLE-style draft for `{extra.get('target')}`", "",
+        "One decoder layer over [the target's final-norm feature, the next token's embedding] that",
+        "predicts the target's next feature (Li et al. 2024, EAGLE-1), with the target's own embedding and",
+        f"the target's head rows for {len(extra.get('draft_vocab', []))} tokens (FR-Spec, Zhao et al. 2025) "
+        "shared at load time, so",
+        f"only the fc and the layer are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
+        "Load it with `proposer=eagle draft=<this directory>` (or `proposer=hybrid`); see specdec/eagle.py.", "",
+        "## How it was made", "", "```bash", extra.get("command", ""), "```", "",
+        f"- data: {m.get('data', {})}",
+        f"- vocabulary: {m.get('vocab', {})}",
+        f"- training: {m.get('train', {})}", "",
+        "## Measured on held-out prompts (greedy, CPU, specdec.distill.evaluate)", "",
+        f"cost ratio c = {m.get('cost_ratio')} (draft step {m.get('draft_ms')} ms vs target step "
+        f"{m.get('target_ms')} ms, batch 1, {m.get('eval_dtype')}); head coverage of the target's tokens "
+        f"{m.get('vocab_coverage')}; prompts {m.get('eval_prompts')}, {m.get('eval_max_tokens')} new tokens.", "",
+        "| k | acceptance (all) | chat | code | mean accepted length | est. speedup L/(1+kc) | per position |",
+        "|---|---|---|---|---|---|---|"]
+    for k, r in sorted(acc.get("all", {}).items()):
+        lines.append(f"| {k} | {r['acceptance_rate']} | {acc.get('chat', {}).get(k, {}).get('acceptance_rate')} | "
+                     f"{acc.get('code', {}).get(k, {}).get('acceptance_rate')} | {r['mean_accepted_length']} | "
+                     f"{r['est_speedup']} | {r['per_position']} |")
+    path = out / "README.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
