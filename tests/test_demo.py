@@ -64,6 +64,26 @@ def test_demo_bf16_divergences_sit_at_near_ties(demo_dir, demo_tok, demo_prompts
         assert float(top2[0] - top2[1]) <= 0.5, "a bf16 divergence away from a near-tie"
 
 
+def test_shipped_eagle_draft(demo_model, demo_tok, demo_prompts):
+    """The draft shipped for the demo target: small, the target's tokenizer, lossless in float32
+    alone and in the hybrid, and trained (an untrained one accepts almost nothing)."""
+    from specdec.eagle import is_eagle, load_eagle
+    from specdec.loader import check_same_vocab, load_tokenizer, resolve
+    from specdec.proposers import EagleProposer, HybridProposer
+    path = resolve("smollm2-eagle").path
+    assert is_eagle("smollm2-eagle")
+    assert sum(f.stat().st_size for f in path.glob("*.safetensors")) <= 40e6
+    check_same_vocab(demo_tok, load_tokenizer("smollm2-eagle"))
+    draft = load_eagle("smollm2-eagle", demo_model)
+    ref, _ = _run(demo_model, demo_tok, demo_prompts, None, 0)
+    out, st = _run(demo_model, demo_tok, demo_prompts, EagleProposer(draft, 4, 1024), 3)
+    assert out == ref
+    assert st.accepted / st.proposed > 0.2, st.acceptance_rate
+    hybrid = HybridProposer(NgramProposer(min_n=3, max_n=5), EagleProposer(draft, 4, 1024))
+    out, st = _run(demo_model, demo_tok, demo_prompts, hybrid, 3)
+    assert out == ref and st.accepted > 0
+
+
 @pytest.mark.ray
 def test_demo_pair_service(ray_cluster):
     from conftest import deploy

@@ -60,8 +60,11 @@ def _eagle(draft: str, target: str, dtype=torch.float32, device: str = "cpu", nu
            max_model_len: int = 2048, top_j: int = 32, target_model=None, **_) -> Proposer:
     from specdec.eagle import load_eagle
     from specdec.loader import load_model
-    model = target_model if target_model is not None else load_model(target, dtype=dtype, device=device)
-    return EagleProposer(load_eagle(draft, model, dtype), num_slots, max_model_len, top_j=top_j)
+    if target_model is not None:  # in process: share the running target's embedding and head
+        model = load_eagle(draft, target_model, dtype)
+    else:  # a draft replica: load the target on the host, keep its embedding and head rows only
+        model = load_eagle(draft, load_model(target, dtype=dtype, device="cpu"), dtype).to(device)
+    return EagleProposer(model, num_slots, max_model_len, top_j=top_j)
 
 
 @builder("hybrid")
