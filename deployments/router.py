@@ -305,6 +305,7 @@ class SpecRouter:
         for s in plan.seqs:
             self._notify(s)
         if len(verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
+            lane.target_pin = None  # and let the request router pick again (it avoids other lanes' replicas)
             await asyncio.sleep(0.05)
 
     def _account(self, plan, draft, verify, emitted, draft_s, target_s, round_s) -> None:
