@@ -65,7 +65,7 @@ def run(args, argv: list[str]) -> dict:
     prompts = training_prompts(corpus, tok)  # chat and code interleaved, in corpus order
     n = generate_answers(target, tok, prompts, work / "answers.jsonl", args.gen_batch, args.gen_tokens,
                          args.gen_minutes, args.answers)
-    answers = [r for r in read_answers(work / "answers.jsonl")][: args.answers]
+    answers = read_answers(work / "answers.jsonl")[: args.answers]
     print(f"target answers: {len(answers)} of {n} generated ({sum(len(r['output']) for r in answers)} tokens)",
           flush=True)
     rows = training_rows(args, corpus, tok, eos, answers)

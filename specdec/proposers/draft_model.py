@@ -73,6 +73,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> DraftOutput:
+        """The k-step loop shared by draft-model proposers; `_sync` and `_step` are the variant's."""
         t0 = time.perf_counter()
         self.release(batch.release)
         B, K = len(batch), batch.max_draft
@@ -81,14 +82,15 @@ class DraftModelProposer(Proposer):
         q_ids = torch.zeros(B, K, J, dtype=torch.long)
         q_vals = torch.zeros(B, K, J)
         num, unknown, states = [0] * B, [], {}
+        self._new_round()
         for i in range(B):
             try:
-                st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+                st = self._sync(batch, i)
             except CacheFullError:  # no free slot: no drafts for this row until one frees
                 st = None
-            if st is None or not st.tokens:
+            if st is None:
                 unknown.append(i)
-            elif batch.num_draft[i] > 0:
+            elif batch.num_draft[i] > 0 and self._can_draft(i):
                 states[i] = st
         steps = 0
         active = list(states)
@@ -97,21 +99,39 @@ class DraftModelProposer(Proposer):
             if not active:
                 break
             sts = [states[i] for i in active]
-            if j == 0:  # catch up on confirmed tokens (prefill for new rows), ragged
-                for st in sts:  # always feed at least the last token (rewriting its keys is harmless)
-                    st.cached = min(st.cached, len(st.tokens) - 1)
-                feeds = [st.tokens[st.cached:] for st in sts]
-                starts = [st.cached for st in sts]
-            else:
-                feeds = [[st.tokens[-1]] for st in sts]
-                starts = [len(st.tokens) - 1 for st in sts]
-            logits = run_ragged(self.model, feeds, [st.slot for st in sts], starts, [1] * len(sts))
+            logits = self._step(j, active, sts, batch)
             steps += 1
             ids, qi, qv = self._choose(torch.cat(logits), active, batch, j)
             for r, (i, st) in enumerate(zip(active, sts)):
-                st.cached = len(st.tokens)
                 tokens[i, j], q_ids[i, j], q_vals[i, j] = ids[r], qi[r], qv[r]
                 num[i] = j + 1
                 if j + 1 < batch.num_draft[i]:
                     st.tokens.append(int(ids[r]))  # tentative: fed next step
         return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0, steps)
+
+    def _new_round(self) -> None:
+        """Forget the previous round's per-row scratch state (variants that keep some)."""
+
+    def _sync(self, batch: SpecBatch, i: int):
+        """Apply row i's confirmed tokens; its state, or None when the row is unknown here."""
+        st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
+        return st if st is not None and st.tokens else None
+
+    def _can_draft(self, i: int) -> bool:
+        """Whether synced row i can be drafted from this round."""
+        return True
+
+    def _step(self, j: int, active: list[int], sts: list, batch: SpecBatch) -> list[Tensor]:
+        """Draft step j for the active rows: their logits [1, V_draft] each."""
+        if j == 0:  # catch up on confirmed tokens (prefill for new rows), ragged
+            for st in sts:  # always feed at least the last token (rewriting its keys is harmless)
+                st.cached = min(st.cached, len(st.tokens) - 1)
+            feeds = [st.tokens[st.cached:] for st in sts]
+            starts = [st.cached for st in sts]
+        else:
+            feeds = [[st.tokens[-1]] for st in sts]
+            starts = [len(st.tokens) - 1 for st in sts]
+        logits = run_ragged(self.model, feeds, [st.slot for st in sts], starts, [1] * len(sts))
+        for st in sts:
+            st.cached = len(st.tokens)
+        return logits

@@ -17,17 +17,15 @@ first round, before the target has seen it) gets no drafts.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from specdec.metadata import DraftOutput, SpecBatch
+from specdec.metadata import SpecBatch
 from specdec.proposers.base import register
 from specdec.proposers.draft_model import DraftModelProposer
-from specdec.rejection_sampler import DraftProbs
-from specdec.runner import CacheFullError, run_ragged
+from specdec.runner import run_ragged
 
 
 @dataclass
@@ -61,6 +59,8 @@ class EagleProposer(DraftModelProposer):
     def __init__(self, model, num_slots: int, max_model_len: int, top_j: int = 32, **_):
         super().__init__(model, num_slots, max_model_len, model.token_map, top_j)
         self.buffers: dict[int, FeatureBuffer] = {}
+        self._spans: dict[int, tuple[int, int]] = {}  # this round: row -> true positions step 0 enters
+        self._g: dict[int, Tensor] = {}  # this round: row -> its last predicted feature
 
     def release(self, seq_ids) -> None:
         super().release(seq_ids)
@@ -68,7 +68,7 @@ class EagleProposer(DraftModelProposer):
             self.buffers.pop(s, None)
 
     def _sync(self, batch: SpecBatch, i: int):
-        """Sync row i's tokens and features; returns (state, feed positions) or None."""
+        """Sync row i's tokens and features; plans the true features step 0 enters (`_spans`)."""
         sid = batch.seq_ids[i]
         fresh = batch.offsets[i] == 0
         st = self.table.sync(sid, batch.offsets[i], batch.new_tokens[i])
@@ -81,62 +81,34 @@ class EagleProposer(DraftModelProposer):
         got = batch.features[i] if batch.features is not None else None
         if got is not None and not buf.add(got[0], got[1]):
             buf.base, st.cached = got[0], 0  # new context: cache index 0 is this position
-        if buf.feats is None:
-            return st, None
         last = len(st.tokens) - 2  # the feature at n-2 (with x_{n-1}) drafts x_n
-        if buf.end - 1 < last:  # features lag the tokens: nothing to draft from this round
-            return st, None
-        first = max(buf.start, min(buf.base + st.cached, last))
-        return st, (first, last)
+        if buf.feats is not None and buf.end - 1 >= last:  # else features lag: no drafts this round
+            self._spans[i] = (max(buf.start, min(buf.base + st.cached, last)), last)
+        return st
 
-    @torch.inference_mode()
-    def propose(self, batch: SpecBatch) -> DraftOutput:
-        t0 = time.perf_counter()
-        self.release(batch.release)
-        B, K = len(batch), batch.max_draft
-        tokens = torch.zeros(B, K, dtype=torch.long)
-        J = min(self.top_j, len(self.token_map))
-        q_ids = torch.zeros(B, K, J, dtype=torch.long)
-        q_vals = torch.zeros(B, K, J)
-        num, unknown, rows = [0] * B, [], {}
-        for i in range(B):
-            try:
-                got = self._sync(batch, i)
-            except CacheFullError:
-                got = None
-            if got is None:
-                unknown.append(i)
-            elif got[1] is not None and batch.num_draft[i] > 0:
-                rows[i] = got
-        active, steps, g = list(rows), 0, {}
-        for j in range(K):
-            active = [i for i in active if batch.num_draft[i] > j]
-            if not active:
-                break
-            sts = [rows[i][0] for i in active]
-            bufs = [self.buffers[batch.seq_ids[i]] for i in active]
-            if j == 0:  # enter the pending true features (ragged), draft from the last
-                spans = [rows[i][1] for i in active]
-                feeds = [st.tokens[a + 1: b + 2] for st, (a, b) in zip(sts, spans)]
-                feats = [buf.feats[a - buf.start: b + 1 - buf.start] for buf, (a, b) in zip(bufs, spans)]
-                starts = [a - buf.base for buf, (a, _) in zip(bufs, spans)]
-            else:  # enter (g, d_j) at the next position (tentative)
-                feeds = [[st.tokens[-1]] for st in sts]
-                feats = [g[i] for i in active]
-                starts = [len(st.tokens) - 2 - buf.base for st, buf in zip(sts, bufs)]
-            logits, hidden = run_ragged(self.model, feeds, [st.slot for st in sts], starts, [1] * len(sts),
-                                        return_hidden=True, features=feats)
-            steps += 1
+    def _new_round(self) -> None:
+        self._spans, self._g = {}, {}
+
+    def _can_draft(self, i: int) -> bool:
+        return i in self._spans
+
+    def _step(self, j: int, active: list[int], sts: list, batch: SpecBatch) -> list[Tensor]:
+        bufs = [self.buffers[batch.seq_ids[i]] for i in active]
+        if j == 0:  # enter the pending true features (ragged), draft from the last
+            spans = [self._spans[i] for i in active]
+            feeds = [st.tokens[a + 1: b + 2] for st, (a, b) in zip(sts, spans)]
+            feats = [buf.feats[a - buf.start: b + 1 - buf.start] for buf, (a, b) in zip(bufs, spans)]
+            starts = [a - buf.base for buf, (a, _) in zip(bufs, spans)]
+        else:  # enter (g, d_j) at the next position (tentative)
+            feeds = [[st.tokens[-1]] for st in sts]
+            feats = [self._g[i] for i in active]
+            starts = [len(st.tokens) - 2 - buf.base for st, buf in zip(sts, bufs)]
+        logits, hidden = run_ragged(self.model, feeds, [st.slot for st in sts], starts, [1] * len(sts),
+                                    return_hidden=True, features=feats)
+        for r, (i, st, buf) in enumerate(zip(active, sts, bufs)):
+            self._g[i] = hidden[r][-1:]  # [1, hidden]: the predicted feature, fed back next step
             if j == 0:
-                for (i, st, buf) in zip(active, sts, bufs):
-                    b = rows[i][1][1]
-                    st.cached = b + 1 - buf.base  # true entries up to position b
-                    buf.feats, buf.start = buf.feats[b - buf.start:], b  # keep the last for re-feeding
-            ids, qi, qv = self._choose(torch.cat(logits), active, batch, j)
-            for r, (i, st) in enumerate(zip(active, sts)):
-                tokens[i, j], q_ids[i, j], q_vals[i, j] = ids[r], qi[r], qv[r]
-                num[i] = j + 1
-                g[i] = hidden[r][-1:]  # [1, hidden]
-                if j + 1 < batch.num_draft[i]:
-                    st.tokens.append(int(ids[r]))  # tentative: fed next step
-        return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0, steps)
+                b = self._spans[i][1]
+                st.cached = b + 1 - buf.base  # true entries up to position b
+                buf.feats, buf.start = buf.feats[b - buf.start:], b  # keep the last for re-feeding
+        return logits
