@@ -153,7 +153,7 @@ class SpecRouter:
         self.cfg = self.cfg.model_copy(update=user_config)
         RouterConfig.model_validate(self.cfg.model_dump())
         for lane in self.lanes:
-            lane.scheduler.cfg = self._sched_cfg()
+            lane.scheduler.set_config(self._sched_cfg())
 
     def _sched_cfg(self) -> SchedulerConfig:
         c = self.cfg

@@ -137,18 +137,21 @@ class AdaptiveK:
         self.succ = d * self.succ + accepted
         self.trials = d * self.trials + accepted + (1 if accepted < proposed else 0)
 
-    def best(self, cost: CostModel, has_model: bool, k_min: int = 0, batch: int = 1) -> tuple[int, float]:
+    def best(self, cost: CostModel, has_model: bool, k_min: int = 0, batch: int = 1,
+             k_max: int | None = None) -> tuple[int, float]:
         a = self.acceptance
+        top = self.cfg.k_max if k_max is None else k_max
         scores = [(expected_tokens(a, k) / cost.round_cost(k, has_model, batch), k)
-                  for k in range(k_min, self.cfg.k_max + 1)]
+                  for k in range(min(k_min, top), top + 1)]
         s, k = max(scores)
         return k, s
 
-    def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1) -> int:
-        """k for the next round (no state change: `update` records what ran)."""
-        k, s = self.best(cost, has_model, batch=batch)
+    def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1, k_max: int | None = None) -> int:
+        """k for the next round, at most `k_max` (the live cap; no state change: `update` records
+        what ran)."""
+        k, s = self.best(cost, has_model, batch=batch, k_max=k_max)
         if k > 0 and s > self.cfg.min_speedup:
             return k
         if self.off_rounds + 1 >= self.cfg.probe_interval:  # probe: measure acceptance again
-            return self.best(cost, has_model, k_min=1, batch=batch)[0]
+            return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
         return 0

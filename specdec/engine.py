@@ -36,13 +36,15 @@ class LLMEngine:
     def __init__(self, target: TargetWorker, proposer: Proposer | None, tokenizer=None,
                  config: EngineConfig | None = None, eos_token_ids=None):
         self.cfg = config or EngineConfig()
+        # the target's KV cache bounds every sequence: a longer max_model_len would overflow it
+        self.max_model_len = min(self.cfg.max_model_len, target.max_model_len)
         self.target, self.proposer, self.tokenizer = target, proposer, tokenizer
         if eos_token_ids is None:
             eos_token_ids = eos_ids_of(tokenizer)
         features = proposer is not None and proposer.needs_features
         target.return_hidden = target.return_hidden or features  # an EAGLE draft reads the target's features
         self.scheduler = Scheduler(
-            SchedulerConfig(self.cfg.max_batch_size, self.cfg.max_model_len, self.cfg.num_speculative_tokens,
+            SchedulerConfig(self.cfg.max_batch_size, self.max_model_len, self.cfg.num_speculative_tokens,
                             speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
                             features=features),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
@@ -52,8 +54,13 @@ class LLMEngine:
         return self.scheduler.stats
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. Raises ValueError for a prompt that leaves no room to generate (it
+        would otherwise overflow the KV cache of every batch it joins)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len "
+                             f"{self.max_model_len}")
         return self.scheduler.add(Sequence(list(prompt_ids), params))
 
     def abort(self, seq_id: int) -> None:

@@ -5,14 +5,23 @@ or fresh entropy) and the uniforms of a round are drawn from a generator keyed b
 sequence length). A seeded request is therefore reproducible whatever else shares its batch, and
 however often a round is retried (a replica lost, no free cache slot). Samples are drawn by
 inverse CDF from one uniform each, which lets the uniforms travel to other processes.
+
+The uniforms come from a hash (SHAKE-128) of the whole seed, position and k, not from a seeded
+torch generator: `torch.Generator.manual_seed` keeps only 32 bits, so seeds 1 and 1 + 2**32
+would share a stream. Temperatures below `SAMPLING_EPS` are greedy (as in vLLM): dividing logits
+by 1e-38 overflows to NaN probabilities.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
 
 
 @dataclass
@@ -34,6 +43,8 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0  # greedy: a tiny temperature would overflow the logits
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -91,14 +102,18 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def round_uniforms(base_seed: int, position: int, k: int) -> torch.Tensor:
-    """Uniforms [3, k+1] for the round that starts at `position` of a sequence seeded `base_seed`."""
-    key = (base_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
-    g = torch.Generator().manual_seed(key)
-    return torch.rand(3, k + 1, generator=g, dtype=torch.float64)
+    """Uniforms [3, k+1] in [0, 1) for the round that starts at `position` of a sequence seeded
+    `base_seed`: 53-bit floats from a SHAKE-128 stream keyed by all bits of (seed, position, k)."""
+    n = 3 * (k + 1)
+    nbytes = max(8, (base_seed.bit_length() + 8) // 8 + 1)
+    key = base_seed.to_bytes(nbytes, "little", signed=True) + position.to_bytes(8, "little") + k.to_bytes(2, "little")
+    raw = torch.frombuffer(bytearray(hashlib.shake_128(key).digest(8 * n)), dtype=torch.int64)  # [n]
+    mantissa = (raw >> 11) & ((1 << 53) - 1)  # top 53 bits of each word (>> is arithmetic: mask)
+    return (mantissa.double() * 2.0 ** -53).view(3, k + 1)
 
 
 def new_base_seed(seed: int | None) -> int:
-    """The request's seed, or fresh entropy when it gave none."""
+    """The request's seed (all of its bits), or fresh entropy when it gave none."""
     if seed is not None:
-        return int(seed) & 0x7FFF_FFFF_FFFF_FFFF
-    return int.from_bytes(os.urandom(8), "little") & 0x7FFF_FFFF_FFFF_FFFF
+        return int(seed)
+    return int.from_bytes(os.urandom(8), "little")

@@ -87,21 +87,33 @@ class Scheduler:
         return out
 
     # ---- planning ---------------------------------------------------------------------------
+    def set_config(self, cfg: SchedulerConfig) -> None:
+        """Replace the live configuration (the router's user_config): k_max applies at once,
+        to running sequences too."""
+        self.cfg = cfg
+        self.adaptive_cfg = replace(self.adaptive_cfg, k_max=cfg.k_max)
+
+    def pinned_k(self, seq: Sequence) -> bool:
+        """The row's k must not depend on timings: a fixed per-request k, or a seeded sampled row
+        (its output must reproduce, and it depends on the round structure)."""
+        p = seq.params
+        return p.num_speculative_tokens is not None or (p.seed is not None and not p.greedy)
+
     def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False) -> int:
+        """k for this row's next round, at most the live k_max and what the row may still emit."""
         req = seq.params.num_speculative_tokens
         if not self.cfg.speculate:
             k = 0
         elif req is not None:
-            k = min(req, self.cfg.k_max)
+            k = req
         elif self.cfg.adaptive:
-            seeded = seq.params.seed is not None and not seq.params.greedy
-            if calibrate and not seeded:
+            if calibrate:
                 return 0  # a plain round that measures t(B, 0) for the cost model
-            cost = self.seeded_cost if seeded else self.cost
-            k = seq.adaptive.choose(cost, self.proposer_has_model, batch)
+            cost = self.seeded_cost if self.pinned_k(seq) else self.cost
+            k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max)
         else:
             k = self.cfg.k_max
-        return max(0, min(k, seq.remaining - 1))
+        return max(0, min(k, self.cfg.k_max, seq.remaining - 1))
 
     def plan(self) -> RoundPlan | None:
         while self.waiting and len(self.running) < self.cfg.max_batch_size:
@@ -110,7 +122,12 @@ class Scheduler:
             return None
         seqs = list(self.running)
         B = len(seqs)
-        calibrate = self.cfg.speculate and self.cfg.adaptive and self.cost.needs_plain_round(B)
+        prefill = any(s.target_offset < len(s.tokens) for s in seqs)
+        # A calibration round is plain for every row, so that it measures t(B, 0): only when no
+        # row's k is pinned, and without a prefill (whose time would not be a step's). Until
+        # such a round comes, rows choose from the costs measured so far, never stuck at k = 0.
+        calibrate = (self.cfg.speculate and self.cfg.adaptive and not prefill and self.cost.needs_plain_round(B)
+                     and not any(self.pinned_k(s) for s in seqs))
         ks = [self.choose_k(s, B, calibrate) for s in seqs]
         K = max(ks)
         uniforms = torch.zeros(len(seqs), 3, K + 1, dtype=torch.float64)
@@ -129,7 +146,7 @@ class Scheduler:
             release=self.take_releases(),
             features=[s.pending_features() for s in seqs] if self.cfg.features else None,
         )
-        return RoundPlan(seqs, batch)
+        return RoundPlan(seqs, batch, prefill)
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs

@@ -46,3 +46,68 @@ def test_speculation_switches_off_and_probes():
         ks.append(k)
         ak.update(k, k, 0)
     assert ks.count(0) >= 6 and any(k > 0 for k in ks)  # mostly off, with periodic probes
+
+
+# ---- the scheduler's use of the policy: mixed batches, live k_max ------------------------------
+import torch  # noqa: E402
+
+from specdec.metadata import DraftOutput, VerifyOutput  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+from specdec.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from specdec.sequence import Sequence  # noqa: E402
+
+
+def _run_rounds(sched: Scheduler, rounds: int, step_s: float = 0.05) -> list[dict[int, int]]:
+    """Simulate rounds in which every draft is accepted; a round costs step_s * (1 + 0.05 K).
+    Returns each round's k per sequence id."""
+    history = []
+    for _ in range(rounds):
+        plan = sched.plan()
+        if plan is None:
+            break
+        ks = plan.draft_batch.num_draft
+        draft = DraftOutput(torch.full((len(ks), max(ks, default=0)), 7), list(ks), draft_steps=max(ks, default=0))
+        sched.target_batch(plan, draft)  # as the engine does (marks prefill rounds)
+        verify = VerifyOutput([[7] * (k + 1) for k in ks], list(ks))
+        t = step_s * (1 + 0.05 * max(ks, default=0))
+        sched.commit(plan, draft, verify, 0.002 * max(ks, default=0), t, t)
+        history.append(dict(zip(plan.draft_batch.seq_ids, ks)))
+    return history
+
+
+def _seq(**params) -> Sequence:
+    return Sequence([1, 2, 3], SamplingParams(**{"max_tokens": 10_000, "ignore_eos": True, **params}))
+
+
+def test_pinned_row_does_not_starve_adaptive_rows():
+    """A seeded sampled row (k independent of timings) or a request's fixed k shares the batch:
+    calibration must not keep every adaptive row at k = 0 while it runs."""
+    for pinned in ({"temperature": 1.0, "seed": 3}, {"temperature": 0, "num_speculative_tokens": 2}):
+        sched = Scheduler(SchedulerConfig(max_batch_size=4, k_max=4))
+        free, pin = sched.add(_seq(temperature=0)), sched.add(_seq(**pinned))
+        ks = [h[free.seq_id] for h in _run_rounds(sched, 30)]
+        assert sum(k > 0 for k in ks[5:]) >= 20, (pinned, ks)  # at 100% acceptance it speculates
+        assert pin.num_output > 0
+
+
+def test_calibration_waits_for_a_round_without_prefill():
+    """Calibration rounds are measured only without a prefill; new sequences arriving every round
+    must neither block calibration forever nor keep the others at k = 0."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=64, k_max=4))
+    first = sched.add(_seq(temperature=0))
+    _run_rounds(sched, 1)
+    ks = []
+    for _ in range(30):
+        sched.add(_seq(temperature=0, max_tokens=4))  # a prefill in every round (batch stays 2-3)
+        ks.append(_run_rounds(sched, 1)[0][first.seq_id])
+    assert sum(k > 0 for k in ks[3:]) >= 20, ks
+
+
+def test_lowering_k_max_applies_to_running_sequences():
+    sched = Scheduler(SchedulerConfig(max_batch_size=2, k_max=4))
+    seq = sched.add(_seq(temperature=0))
+    assert max(h[seq.seq_id] for h in _run_rounds(sched, 10)) > 1
+    sched.set_config(SchedulerConfig(max_batch_size=2, k_max=1))
+    assert max(h[seq.seq_id] for h in _run_rounds(sched, 10)) == 1
+    late = sched.add(_seq(temperature=0))
+    assert sched.adaptive_cfg.k_max == 1 and late.adaptive.cfg.k_max == 1

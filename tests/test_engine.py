@@ -146,3 +146,21 @@ def test_draft_vocab_mismatch_fails_at_load(tiny_tok, tmp_path):
     other = load_tokenizer(make_tiny_checkpoint(tmp_path / "other", vocab_size=300))
     with pytest.raises(ModelLoadError, match="vocabulary differs"):
         check_same_vocab(tiny_tok, other)
+
+
+@pytest.mark.parametrize("kind", ["none", "draft"])
+def test_context_limit_is_the_target_cache(tiny, kind):
+    """EngineConfig.max_model_len (2048 by default) larger than the target's cache (64): a too-long
+    prompt is refused at admission, and a sequence reaching the cache size finishes with `length`
+    while the sequence batched with it is unharmed."""
+    target, draft, tok = tiny
+    tw = TargetWorker(target, num_slots=2, max_model_len=64)
+    prop = DraftModelProposer(draft, num_slots=2, max_model_len=64) if kind == "draft" else None
+    eng = LLMEngine(tw, prop, tok, EngineConfig(max_batch_size=2, num_speculative_tokens=3, adaptive=False))
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request(list(range(3, 67)), greedy(4))
+    short = tok(PROMPTS[1]).input_ids
+    ref = outputs(make_engine(target, "none", tok=tok), [short], greedy(8))[0]
+    long_seq, healthy = eng.generate([list(range(3, 53)), short], [greedy(100), greedy(8)])
+    assert long_seq.finish_reason == "length" and len(long_seq.tokens) == 64
+    assert healthy.output_ids == ref and healthy.finish_reason == "length"
