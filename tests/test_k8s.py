@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from shared_files import missing_resource
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -61,7 +62,7 @@ RS_IDS = [name for name, _ in RAYSERVICES]
 def _crd_schema(kind: str) -> dict:
     path = KUBERAY / CRD_FILES[kind]
     if not path.is_file():
-        pytest.skip(f"KubeRay CRDs not found at {KUBERAY} (set SPECDEC_SHARED_DIR)")
+        missing_resource(f"KubeRay CRDs not found at {KUBERAY} (set SPECDEC_SHARED_DIR)")
     crd = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
     assert crd["spec"]["names"]["kind"] == kind, f"{path.name} is not the {kind} CRD"
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
@@ -292,6 +293,19 @@ def test_serve_config_validates_with_ray_schema(name, rs):
             f"{d.name}: autoscaling_config.policy.policy_function missing"
 
 
+@pytest.mark.parametrize("name,rs", RAYSERVICES, ids=RS_IDS)
+def test_serve_http_listens_on_all_interfaces_in_pods(name, rs):
+    """serve_config.yaml binds 127.0.0.1 (a laptop default); in a pod the proxy must listen on all
+    interfaces, or the Service on the declared serve port reaches nothing."""
+    from ray.serve.schema import ServeDeploySchema
+
+    http = ServeDeploySchema.model_validate(_serve_config(rs)).http_options  # absent: Serve's defaults
+    assert http.host in ("0.0.0.0", "::"), f"serveConfigV2 http_options.host {http.host!r}: pods need 0.0.0.0"
+    ports = {p["containerPort"] for _, _, _, c in _containers(rs) for p in c.get("ports", [])
+             if p.get("name") == "serve"}
+    assert ports == {http.port}, f"serve containerPort {ports} != http_options.port {http.port}"
+
+
 def _app_configs():
     return [(f"{name}:{app['name']}", rs, app) for name, rs in RAYSERVICES
             for app in _serve_config(rs)["applications"]]
@@ -336,21 +350,37 @@ def test_config_deployments_exist_in_built_app(name, rs, app, tmp_path_factory):
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve._private.build_app import build_app as serve_build
 
+    from specdec.loader import ModelLoadError, resolve
+
     args = dict(app["args"])
     for key in ("target", "draft"):
         if isinstance(args.get(key), str) and args[key].startswith("/") and not Path(args[key]).exists():
             from specdec.testing import make_tiny_checkpoint
             args[key] = str(make_tiny_checkpoint(tmp_path_factory.mktemp(f"k8s_{key}"), seed=len(key),
                                                  max_pos=max(1024, int(args.get("max_model_len", 1024)))))
+        elif isinstance(args.get(key), str):  # a packaged model (`smollm2`): only its absence may skip
+            try:
+                resolve(args[key])
+            except ModelLoadError as e:
+                missing_resource(f"cannot build {name} offline: {e}")
     builder = import_attr(app["import_path"])
-    try:
-        application = call_user_app_builder_with_args_if_necessary(builder, args)
-        built = serve_build(application, name=app["name"])
-    except (OSError, RuntimeError, ValueError) as e:  # e.g. /models/... absent on this machine
-        pytest.skip(f"cannot build {name} offline: {type(e).__name__}: {e}")
+    # Anything else that goes wrong here (invalid args: pydantic's ValidationError is a ValueError)
+    # is the manifest's fault and fails the test.
+    application = call_user_app_builder_with_args_if_necessary(builder, args)
+    built = serve_build(application, name=app["name"])
     names = {d.name for d in built.deployments}
     missing = {d["name"] for d in app["deployments"]} - names
     assert not missing, f"config names deployments the app does not have: {missing} (app: {names})"
+
+
+@pytest.mark.parametrize("bad", [{"no_such_arg": 1}, {"tp": "two"}, {"max_model_len": 10**7}],
+                         ids=["unknown-arg", "wrong-type", "cross-check"])
+def test_built_app_check_fails_on_invalid_args(bad, tmp_path_factory):
+    """Invalid manifest args fail the build check above; they are never skipped as 'offline'."""
+    name, rs, app = APPS[0]
+    broken = {**app, "args": {**app["args"], **bad}}
+    with pytest.raises(ValueError):  # pydantic's ValidationError is a ValueError
+        test_config_deployments_exist_in_built_app(name, rs, broken, tmp_path_factory)
 
 
 # ----------------------------------------------------------------------------- resources
@@ -491,7 +521,7 @@ def test_target_weights_are_mounted(name, rs, app):
 def test_same_application_as_serve_config(name, rs, app):
     path = ROOT / "serve_config.yaml"
     if not path.is_file():
-        pytest.skip("serve_config.yaml not written yet")
+        missing_resource("serve_config.yaml not found")
     ref = {a["name"]: a for a in yaml.safe_load(path.read_text())["applications"]}
     assert app["name"] in ref, f"serve_config.yaml has no application {app['name']}"
     base = ref[app["name"]]
@@ -562,7 +592,7 @@ def test_dashboard_configmap_in_sync():
     if not gen.DASHBOARD.is_file():
         if out.is_file():
             pytest.fail(f"{out.name} exists but {gen.DASHBOARD} does not")
-        pytest.skip("serve_app/grafana/specdec_dashboard.json not written yet")
+        missing_resource("serve_app/grafana/specdec_dashboard.json not found")
     assert out.is_file(), "run: python k8s/make_dashboard_configmap.py"
     expected = gen.render(gen.DASHBOARD.read_text(encoding="utf-8"))
     assert out.read_text(encoding="utf-8") == expected, "stale: run python k8s/make_dashboard_configmap.py"
