@@ -304,38 +304,55 @@ def test_overload_sheds_with_503_and_retry_after(app):
     assert r.status_code == 200
 
 
-def test_kv_cache_budget_is_never_exceeded(app):
-    """Many concurrent requests over a 2-slot target: slots in use never exceed the budget."""
+def test_kv_cache_budget_is_shared_and_never_exceeded(app):
+    """8 concurrent requests over a 2-slot target (capacity: 2 lane rows + 2 queued, beyond that
+    503): both slots are really used at once, requests beyond the slots wait (queued, or shed and
+    retried), every request still produces its unloaded greedy output, the slot accounting
+    (active + free = 2) holds at every sample, and both slots are free afterwards."""
     url, model = app
     from ray import serve
     target = serve.get_deployment_handle("Target", app_name=APP)
-    peaks = []
+    prompts = [f"x{i} =" for i in range(8)]
+    solo = {}
+    for p in prompts:  # one at a time: the reference outputs
+        r = _post(url, C, {"model": model, "prompt": p, "max_tokens": 24, **GREEDY})
+        assert r.status_code == 200, r.text
+        solo[p] = r.json()["choices"][0]["text"]
+    slots, queued, shed = [], [], []
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
-            async def req(i):
-                for _ in range(20):  # retry politely when shed
-                    r = await c.post(f"{url}{C}", json={"model": model, "prompt": f"x{i} =", "max_tokens": 24,
-                                                        **GREEDY}, headers=AUTH)
+            async def req(p):
+                for _ in range(40):  # retry politely when shed
+                    r = await c.post(f"{url}{C}", json={"model": model, "prompt": p, "max_tokens": 24, **GREEDY},
+                                     headers=AUTH)
                     if r.status_code == 200:
                         return r
-                    assert r.status_code == 503
+                    assert r.status_code == 503, r.text
+                    shed.append(p)
                     await asyncio.sleep(float(r.headers["retry-after"]) / 4)
                 return r
 
             async def watch():
                 while True:
                     st = await target.stats.remote()
-                    peaks.append(st["active_sequences"])
-                    await asyncio.sleep(0.05)
+                    slots.append((st["active_sequences"], st["free_slots"]))
+                    queued.append((await c.get(f"{url}/stats", headers=AUTH)).json()["queued"])
+                    await asyncio.sleep(0.02)
             w = asyncio.ensure_future(watch())
-            rs = await asyncio.gather(*[req(i) for i in range(8)])
-            w.cancel()
-            return rs
+            try:
+                return await asyncio.gather(*[req(p) for p in prompts])
+            finally:
+                w.cancel()
     rs = asyncio.run(run())
-    assert all(r.status_code == 200 for r in rs)
-    assert max(peaks) <= 2 and max(peaks) >= 1
-    assert_idle(APP, url, AUTH)
+    assert [r.status_code for r in rs] == [200] * len(prompts), [r.text for r in rs if r.status_code != 200]
+    assert {p: r.json()["choices"][0]["text"] for p, r in zip(prompts, rs)} == solo
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in rs)
+    assert all(active + free == 2 for active, free in slots), slots  # no slot lost or double-counted
+    assert max(active for active, _ in slots) == 2, slots  # the two slots were shared by concurrent requests
+    assert shed and max(queued) >= 1, (len(shed), queued)  # beyond the slots, requests waited
+    state = assert_idle(APP, url, AUTH)
+    assert state["target_free_slots"] == 2
 
 
 def test_api_keys_from_environment(monkeypatch, tmp_path):
