@@ -69,6 +69,7 @@ __all__ = [
 FinishReason = Literal["stop", "length"]
 _Req = TypeVar("_Req", bound=BaseModel)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_TOKEN_IDS = 256  # `stop_token_ids` entries a request may carry
 
 # --------------------------------------------------------------------------------------------
 # Errors
@@ -327,9 +328,10 @@ class _SamplingRequest(_RequestModel):
                           "speculation (the deployment may cap it).")
     ignore_eos: bool | None = Field(
         False, description="Extension: keep generating after the end-of-sequence token.")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="Extension: token ids that end generation (kept in the output "
-                          "token count, not in the text).")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description=f"Extension: up to {MAX_STOP_TOKEN_IDS} token ids that end generation "
+                          "(kept in the output token count, not in the text).")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -2,8 +2,12 @@
 
 Stop conditions are applied token by token when a round's tokens are appended, so a stop that
 falls inside an accepted run ends the sequence there: nothing after it is kept or returned.
-Stop strings are cut from the text (OpenAI semantics); streamed text holds back a tail that could
-still become a stop string, and an incomplete UTF-8 character.
+Text is decoded incrementally (specdec.detokenizer: a few tokens per token, not the whole output)
+and is append-only, so what `take_delta()` streams always adds up to `text`. Stop strings are cut
+from the text (OpenAI semantics) and are searched for only in text not searched yet (plus the
+stop length - 1 characters before it); streamed text holds back a tail that could still become a
+stop string, and the detokenizer holds back an incomplete UTF-8 character. Stop and EOS token ids
+end the sequence without adding text.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.adaptive import AdaptiveConfig, AdaptiveK
+from specdec.detokenizer import IncrementalDetokenizer
 from specdec.sampling import SamplingParams, new_base_seed
 
 _ids = itertools.count(1)
@@ -28,7 +33,6 @@ class Sequence:
     max_model_len: int = 1 << 30
     adaptive: AdaptiveK | None = None
     tokens: list[int] = field(default_factory=list)  # prompt + output (confirmed)
-    text: str = ""  # decoded output, cut at a stop string
     sent_chars: int = 0  # text already handed out by take_delta()
     finish_reason: str | None = None
     draft_offset: int = 0  # confirmed tokens the proposer holds
@@ -42,6 +46,10 @@ class Sequence:
     meta: dict = field(default_factory=dict)  # caller's data (e.g. the request's trace context)
     feat_start: int = 0  # position of feats[0]: target features not yet sent to an EAGLE proposer
     feats: list = field(default_factory=list)  # tensors [n, hidden], contiguous from feat_start
+    detok: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)  # set by append
+    stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)  # params.stop_token_ids
+    stop_hold: int = field(default=0, init=False, repr=False)  # longest stop string - 1 (chars)
+    stop_scan_from: int = field(default=0, init=False, repr=False)  # text before it: searched for stops
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -49,6 +57,8 @@ class Sequence:
             self.base_seed = new_base_seed(self.params.seed)
         if self.adaptive is None:
             self.adaptive = AdaptiveK(AdaptiveConfig())
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+        self.stop_hold = max(map(len, self.params.stop), default=1) - 1
 
     @property
     def prompt_len(self) -> int:
@@ -71,9 +81,13 @@ class Sequence:
         """Tokens this sequence may still emit."""
         return min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
 
+    @property
+    def text(self) -> str:
+        """Decoded output, cut at a stop string: what is final so far, all of it once finished."""
+        return self.detok.text if self.detok is not None else ""
+
     def append(self, new: list[int], tokenizer) -> int:
         """Append a round's tokens, applying stop conditions. Returns how many were kept."""
-        p = self.params
         kept = 0
         for tok in new:
             if self.finished:
@@ -82,37 +96,48 @@ class Sequence:
             kept += 1
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                self.finish_reason = FINISH_STOP
-            elif p.stop and tokenizer is not None:
-                self._check_stop_strings(tokenizer)
+            if (tok in self.eos_token_ids and not self.params.ignore_eos) or tok in self.stop_ids:
+                self._finish(FINISH_STOP)
+                continue
+            if tokenizer is not None:
+                self._detokenize(tok, tokenizer)
             if not self.finished and self.remaining <= 0:
-                self.finish_reason = FINISH_LENGTH
-        if tokenizer is not None and not (p.stop and self.finish_reason == FINISH_STOP):
-            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+                self._finish(FINISH_LENGTH)
         return kept
 
-    def _check_stop_strings(self, tokenizer) -> None:
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        start = max(0, len(self.text) - max(len(s) for s in self.params.stop))
-        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+    def _detokenize(self, tok: int, tokenizer) -> None:
+        if self.detok is None:
+            self.detok = IncrementalDetokenizer(tokenizer)
+        if self.detok.push(tok) and self.params.stop:
+            self._stop_at_string()
+
+    def _finish(self, reason: str) -> None:
+        """End by a token (EOS, stop id, length): the held-back text is final, and may hold a stop."""
+        self.finish_reason = reason
+        if self.detok is not None:
+            self.detok.flush()
+            if self.params.stop:
+                self._stop_at_string()
+
+    def _stop_at_string(self) -> None:
+        """Finish at the first stop string in the text not searched yet, cutting it off."""
+        start = self.stop_scan_from
+        window = self.detok.read(start) + self.detok.pending
+        hits = [i for i in (window.find(s) for s in self.params.stop) if i >= 0]
+        self.stop_scan_from = max(start, len(self.detok) - self.stop_hold)
         if hits:
-            self.text = text[: min(hits)]
             self.finish_reason = FINISH_STOP
-        else:
-            self.text = text
+            self.detok.flush()
+            self.detok.truncate(start + min(hits))
 
     def take_delta(self) -> str:
         """New text safe to stream: all of it once finished, else minus a possible stop prefix."""
-        end = len(self.text)
-        if not self.finished:
-            if self.params.stop:
-                end -= max(len(s) for s in self.params.stop) - 1
-            while end > self.sent_chars and self.text[end - 1] == "\ufffd":
-                end -= 1  # an incomplete UTF-8 character: wait for its next bytes
+        if self.detok is None:
+            return ""
+        end = len(self.detok) - (0 if self.finished else self.stop_hold)
         if end <= self.sent_chars:
             return ""
-        delta = self.text[self.sent_chars:end]
+        delta = self.detok.read(self.sent_chars, end)
         self.sent_chars = end
         return delta
 

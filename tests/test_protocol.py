@@ -586,3 +586,13 @@ def test_openai_sdk_parses_responses():
     k = chat.ChatCompletionChunk.model_validate(
         P.chat_chunk(request_id="x", model="m", created=1, content="c").model_dump())
     assert k.choices[0].delta.content == "c"
+
+
+@pytest.mark.parametrize("cls, base", [(CompletionRequest, {"model": "m", "prompt": "x"}),
+                                       (ChatCompletionRequest, {"model": "m", "messages": USER})])
+def test_stop_token_ids_are_capped(cls, base):
+    """256 stop token ids are accepted; 257 are a 400 naming `stop_token_ids` (a 1 MiB body
+    could otherwise carry ~140k of them)."""
+    ids = list(range(256))
+    assert P.parse_request(cls, body({**base, "stop_token_ids": ids})).stop_token_ids == ids
+    _expect_400(cls, body({**base, "stop_token_ids": ids + [256]}), "stop_token_ids", "at most 256")
