@@ -130,7 +130,15 @@ def test_draft_replica_killed_mid_generation(draft_app):
         time.sleep(0.5)
     assert _complete(url, model, PROMPTS[0], 24) == short_ref
     assert_idle("fdraft", url)
-    for rid, s in _stats_by_replica("fdraft", "Draft").items():
+    # assert_idle polls one Draft replica per call; the lane's last draft release trails the
+    # response and goes to the replica it is pinned to: wait (bounded) until every replica is idle.
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _stats_by_replica("fdraft", "Draft")
+        if all(s["active_sequences"] == 0 for s in stats.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    for rid, s in stats.items():
         assert rid not in killed and s["active_sequences"] == 0, s
 
 
