@@ -132,6 +132,7 @@ class SpecRouter:
         self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
         self.rounds_by_target: dict[str, int] = {}  # target replica id -> rounds it verified
         self.metrics = self._make_metrics()
+        self._background: set[asyncio.Task] = set()  # releases re-delivered after a failed call
         self.id = replica_id()
         ensure_provider()
 
@@ -353,6 +354,9 @@ class SpecRouter:
             # The pin stays: a live replica keeps (and later frees) the lane's draft state; a dead
             # one is no longer a candidate and the affinity router picks another.
             log.warning("draft call failed (%r); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
+            # the releases it carried may not have arrived (a timeout leaves a live, slow replica):
+            # deliver them again with the next call (releasing twice is harmless)
+            lane.pending_draft_release = list(batch.release) + lane.pending_draft_release
             lane.draft_down_until = time.monotonic() + self.cfg.draft_backoff_s
             for s in lane.scheduler.running:
                 s.draft_offset = 0  # whichever replica serves next must get the full context
@@ -388,12 +392,33 @@ class SpecRouter:
                     self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
                     return None
                 log.warning("target replica lost (%s); re-prefilling the lane elsewhere", _short(e))
+                if release:  # an unavailable replica may come back: it must still free those slots
+                    self._release_later(lane.target_pin, release)
                 lane.target_pin = None
                 for s in plan.seqs:
                     s.target_offset = 0
                 release = []
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+
+    def _release_later(self, pin: str | None, ids: list[int]) -> None:
+        """Deliver finished sequences' releases to target replica `pin` in the background, retrying
+        until `retry_deadline_s` (ids of finished sequences are harmless on any other replica)."""
+        async def deliver():
+            deadline, backoff = time.monotonic() + self.cfg.retry_deadline_s, 0.2
+            while True:
+                try:
+                    await asyncio.wait_for(self.target.release.remote(ids, pin=pin), timeout=self.cfg.draft_timeout_s)
+                    return
+                except Exception as e:  # noqa: BLE001 - retried until the deadline
+                    if time.monotonic() + backoff > deadline:
+                        log.warning("releases for replica %s lost: %s", pin, _short(e))
+                        return
+                    await asyncio.sleep(backoff)
+                    backoff = min(2.0, backoff * 2)
+        task = asyncio.get_running_loop().create_task(deliver(), context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- introspection ------------------------------------------------------------------------
     def engine_stats(self) -> dict:

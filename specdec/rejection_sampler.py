@@ -30,7 +30,11 @@ from specdec.sampling import logits_to_probs, sample_from_probs
 
 @dataclass
 class DraftProbs:
-    """Sparse draft distributions: q[b, j] is `vals[b, j]` on token ids `ids[b, j]` (zero elsewhere)."""
+    """Sparse draft distributions: q[b, j] is `vals[b, j]` on token ids `ids[b, j]` (zero elsewhere).
+
+    An id may repeat within a row (padding columns of a one-hot q carry the token with value 0):
+    `dense` adds the values of repeated ids, so padding never overwrites a probability.
+    """
 
     ids: Tensor  # [B, K, J] long
     vals: Tensor  # [B, K, J] float
@@ -38,7 +42,7 @@ class DraftProbs:
     def dense(self, vocab_size: int) -> Tensor:
         B, K, _ = self.ids.shape
         q = torch.zeros(B, K, vocab_size, dtype=torch.float32, device=self.ids.device)
-        return q.scatter_(2, self.ids, self.vals.float())  # [B, K, V]
+        return q.scatter_add_(2, self.ids, self.vals.float())  # [B, K, V]
 
 
 def accepted_prefix(accept: Tensor) -> Tensor:

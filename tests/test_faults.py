@@ -417,3 +417,65 @@ def test_router_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_worker)
     assert draft.failed >= 1 and draft.calls > draft.failed + 3  # it failed, then speculation resumed
     assert seq.proposed > 0
     assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side
+
+
+class _SlowOnceDraft(_FlakyDraft):
+    """A live but slow draft replica: the first call that carries releases outlasts the timeout."""
+
+    def __init__(self):
+        super().__init__()
+        self.slowed = False
+
+    async def _propose(self, batch, pin=None, avoid=None):
+        self.calls += 1
+        if batch.release and not self.slowed:
+            self.slowed = True
+            await asyncio.sleep(2.0)  # the router gives up first (draft_timeout_s)
+        return "draft-a", self.proposer.propose(batch)
+
+
+class _UnavailableOnceTarget(_FakeTarget):
+    """ActorUnavailableError on the first verify that carries releases (the actor comes back)."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.failed = False
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        import ray.exceptions
+        self.calls += 1
+        if batch.release and not self.failed:
+            self.failed = True
+            raise ray.exceptions.ActorUnavailableError("unreachable for a moment", None)
+        return "replica-b", self.worker.verify(batch, draft)
+
+
+@pytest.mark.parametrize("fault", ["draft-timeout", "target-unavailable"])
+def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault):
+    """Releases carried by a call that failed are delivered later: a slow draft replica or a
+    target replica that was unreachable for a moment frees every finished sequence's slot."""
+    from deployments.router import SpecRouter
+    from specdec.sampling import SamplingParams
+
+    draft = _SlowOnceDraft()
+    draft.slowed = fault != "draft-timeout"  # slow once only in the draft-timeout case
+    target = _UnavailableOnceTarget(tiny_worker) if fault == "target-unavailable" else _FakeTarget(tiny_worker)
+
+    async def main():
+        router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
+                             "draft_timeout_s": 0.3, "draft_backoff_s": 0.0, "num_speculative_tokens": 2,
+                             "adaptive": False}, draft, target)
+        seqs = router.submit([5, 6, 7, 5, 6, 7], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                  for n in (2, 40)])
+        for s in seqs:
+            while not s.finished:
+                await router.wait(s)
+            router.finish(s)
+        for _ in range(200):
+            if not router.lanes and not router._background:
+                break
+            await asyncio.sleep(0.02)
+        return router
+    asyncio.run(main())
+    assert draft.slowed and (fault == "draft-timeout" or target.failed)  # the fault happened
+    assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side

@@ -184,3 +184,29 @@ def test_reduced_vocabulary_draft_is_lossless(temp, k):
     samples = _speculate(P, Q, temp, 0, 1.0, k, seed=17 + k)
     assert (samples >= V // 2).any()  # tokens outside the draft's head do occur
     assert _pvalue(samples, _exact_joint(P, temp, 0, 1.0)) > ALPHA
+
+
+def test_dense_adds_repeated_ids():
+    """A one-hot q padded with its own id (value 0) keeps q(x) = 1 (scatter_ let the padding win)."""
+    q = DraftProbs(torch.tensor([[[3, 3, 3]]]), torch.tensor([[[1.0, 0.0, 0.0]]])).dense(5)
+    assert q[0, 0].tolist() == [0, 0, 0, 1.0, 0]
+
+
+def test_tiny_temperature_is_greedy():
+    from specdec.sampling import SamplingParams
+    p = SamplingParams(temperature=1e-38)
+    assert p.greedy and p.temperature == 0.0
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 0.5]]])
+    out, _ = rejection_sample(logits, torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), None,
+                              torch.tensor([p.temperature]), torch.tensor([0]), torch.tensor([1.0]),
+                              torch.rand(1, 2, 1))
+    assert out.tolist() == [[1]]  # the argmax, not NaN probabilities' last token
+
+
+def test_uniforms_use_every_bit_of_the_seed():
+    from specdec.sampling import new_base_seed, round_uniforms
+    a, b = (round_uniforms(new_base_seed(s), 7, 3) for s in (1, 1 + 2 ** 32))
+    assert not torch.allclose(a, b)
+    assert torch.equal(round_uniforms(new_base_seed(1), 7, 3), a)  # and stay reproducible
+    u = torch.cat([round_uniforms(s, 0, 15).flatten() for s in range(200)])
+    assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02

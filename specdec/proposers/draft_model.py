@@ -33,7 +33,8 @@ class DraftModelProposer(Proposer):
         self.model = model
         model.setup_cache(num_slots, max_model_len)
         self.table = SlotTable(num_slots, max_model_len)
-        self.token_map = token_map  # [V_draft] target ids of the draft head's outputs, or None
+        # [V_draft] target ids of the draft head's outputs (host copy: drafts are indexed on the host)
+        self.token_map = None if token_map is None else token_map.cpu()
         self.top_j = top_j
 
     @property
@@ -49,24 +50,27 @@ class DraftModelProposer(Proposer):
             self.table.release(s)
 
     def _choose(self, logits: Tensor, rows: list[int], batch: SpecBatch, step: int):
-        """logits [n, V_draft] -> (target ids [n], q ids [n, J], q vals [n, J])."""
+        """logits [n, V_draft] (on the model's device) -> (target ids [n], q ids [n, J], q vals [n, J]),
+        on the host. The round's per-row tensors move to the logits' device first."""
+        dev = logits.device
         idx = torch.tensor(rows)
-        temp = batch.temperature[idx]
+        temp = batch.temperature[idx].to(dev)
         greedy = temp == 0
-        local = logits.argmax(-1)
+        local = logits.argmax(-1)  # [n]
         J = min(self.top_j, logits.shape[-1])
-        q_ids = local[:, None].expand(-1, J).clone()
-        q_vals = torch.zeros(len(rows), J)
+        q_ids = local[:, None].expand(-1, J).clone()  # greedy rows: one-hot q (padding ids carry 0)
+        q_vals = torch.zeros(len(rows), J, device=dev)
         q_vals[:, 0] = 1.0
         if not bool(greedy.all()):
-            probs = logits_to_probs(logits, temp, batch.top_k[idx], batch.top_p[idx])
+            probs = logits_to_probs(logits, temp, batch.top_k[idx].to(dev), batch.top_p[idx].to(dev))
             vals, ids = probs.topk(J, dim=-1)  # the draft samples from this truncation: q is exact
             vals = vals / vals.sum(-1, keepdim=True)
-            pick = sample_from_probs(vals, batch.uniforms[idx, U_DRAFT, step])
+            pick = sample_from_probs(vals, batch.uniforms[idx, U_DRAFT, step].to(dev))
             sampled = ids.gather(1, pick[:, None]).squeeze(1)
             local = torch.where(greedy, local, sampled)
             q_ids = torch.where(greedy[:, None], q_ids, ids)
             q_vals = torch.where(greedy[:, None], q_vals, vals.float())
+        local, q_ids, q_vals = local.cpu(), q_ids.cpu(), q_vals.cpu()
         if self.token_map is not None:
             return self.token_map[local], self.token_map[q_ids], q_vals
         return local, q_ids, q_vals
