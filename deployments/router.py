@@ -269,7 +269,7 @@ class SpecRouter:
         calls = []
         if ids:
             calls.append(self.target.release.remote(ids, pin=lane.target_pin))
-        dids = lane.pending_draft_release + ids
+        dids, lane.pending_draft_release = lane.pending_draft_release + ids, []
         if dids and self.draft is not None and lane.draft_pin:
             calls.append(self.draft.release.remote(dids, pin=lane.draft_pin))
         for c in calls:
@@ -303,6 +303,10 @@ class SpecRouter:
             sp.set(proposed=sum(draft.num_draft), accepted=sum(verify.num_accepted), emitted=sum(emitted),
                    bonus=sum(1 for n, m in zip(draft.num_draft, verify.num_accepted) if n and m == n))
         self._account(plan, draft, verify, emitted, t1 - t0, t2 - t1, t3 - t0)
+        if not sched.has_work and not self.queue:
+            # the lane's last round: free its slots before its clients hear back, so a request they
+            # send next never finds the replicas still holding them
+            await self._flush_releases(lane)
         for s in plan.seqs:
             self._notify(s)
         if len(verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
