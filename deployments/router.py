@@ -17,7 +17,9 @@ child requests of it (which Serve cancels when that client disconnects).
 
 Admission: lanes x max_batch_size rows (sized to the targets' KV-cache slots, allocated up front)
 plus `max_queued_sequences` waiting; a request that fits in neither gets `Overloaded` (503 +
-Retry-After), so accepted work is bounded by memory that is already there.
+Retry-After), so accepted work is bounded by memory that is already there. Fairness: one request
+(its n samples and prompts) holds at most `max_request_share` of the rows at once; its other
+sequences wait while later requests start, so an n = 64 request cannot lock other clients out.
 
 Failures: a failing (or, past `draft_timeout_s`, silent) draft call makes the lane run plain
 rounds for a while (output unchanged: greedy is lossless either way); a lost target replica
@@ -33,7 +35,7 @@ import contextvars
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
@@ -63,6 +65,7 @@ class RouterConfig(BaseModel):
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before a new lane's first round (runtime).")
     max_lanes: int = Field(4, ge=1, description="Concurrent running batches per router replica.")
     max_queued_sequences: int = Field(256, ge=0, description="Waiting sequences beyond which requests get 503 + Retry-After.")
+    max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of the rows (max_lanes x max_batch_size) that one request's sequences (its n samples, its prompts) may hold at once; the rest of them wait, so other clients keep being served (runtime).")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: cap of the adaptive k and of per-request k (runtime).")
     adaptive: bool = Field(True, description="Adapt k per sequence to its acceptance (runtime).")
     speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
@@ -147,7 +150,7 @@ class SpecRouter:
     def reconfigure(self, user_config: dict) -> None:
         """Runtime knobs from the deployment's user_config."""
         allowed = {"max_batch_size", "batch_wait_timeout_s", "num_speculative_tokens", "adaptive",
-                   "max_queued_sequences"}
+                   "max_queued_sequences", "max_request_share"}
         unknown = set(user_config) - allowed
         if unknown:
             raise ValueError(f"unknown user_config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -172,16 +175,19 @@ class SpecRouter:
         free = sum(max(0, self.cfg.max_batch_size - l.load) for l in self.lanes)
         return free + max(0, self.cfg.max_lanes - len(self.lanes)) * self.cfg.max_batch_size
 
-    def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[Sequence]:
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams], group=None) -> list[Sequence]:
         """Queue one sequence per params entry (n samples of one prompt). Raises Overloaded when
-        they fit neither in free lane rows nor in the bounded queue."""
+        they fit neither in free lane rows nor in the bounded queue. Sequences of one `group` (one
+        request; default: this call) share the request's row cap (`max_request_share`)."""
         if len(params) > self.capacity() + self.cfg.max_queued_sequences:
             raise RequestFailed(f"too many sequences in one request ({len(params)}); this server runs at most "
                                 f"{self.capacity() + self.cfg.max_queued_sequences}", 400)
         if len(self.queue) + len(params) > self.cfg.max_queued_sequences + self._room():
             raise Overloaded()
         seqs = [Sequence(list(prompt_ids), p, frozenset(self.eos_ids)) for p in params]
+        group = object() if group is None else group
         for s in seqs:
+            s.meta["group"] = group
             self.events[s.seq_id] = asyncio.Event()
             self.queue.append(s)
             if self.metrics:
@@ -217,10 +223,26 @@ class SpecRouter:
             self.metrics.record_request_end(seq.finish_reason or "abort", seq.prompt_len, seq.num_output)
 
     # ---- lanes --------------------------------------------------------------------------------
+    def _row_cap(self) -> int:
+        """Rows one request may hold at once over all lanes."""
+        return max(1, int(self.cfg.max_request_share * self.capacity()))
+
+    def _held(self) -> Counter:
+        """Rows each request group holds now (running or admitted, over all lanes)."""
+        return Counter(s.meta.get("group") for l in self.lanes
+                       for s in (*l.scheduler.running, *l.scheduler.waiting))
+
+    def _startable(self) -> bool:
+        """Some queued sequence may start now (its request is under its row cap)."""
+        if not self.queue:
+            return False
+        held, cap = self._held(), self._row_cap()
+        return any(held[s.meta.get("group")] < cap for s in self.queue)
+
     def _spawn_lanes(self) -> None:
         for lane in self.lanes:
             self._fill(lane)
-        while self.queue and len(self.lanes) < self.cfg.max_lanes:
+        while len(self.lanes) < self.cfg.max_lanes and self._startable():
             lane = Lane(Scheduler(self._sched_cfg(), self.tokenizer, self.eos_ids,
                                   proposer_has_model=self.proposer_has_model, cost=self.cost))
             self.lanes.append(lane)
@@ -230,8 +252,21 @@ class SpecRouter:
             lane.task = asyncio.get_running_loop().create_task(self._run_lane(lane), context=contextvars.Context())
 
     def _fill(self, lane: Lane) -> None:
+        """Admit queued sequences into `lane`, first come first served among requests under their
+        row cap; a capped request's other sequences keep their place in the queue."""
+        if not self.queue or lane.load >= self.cfg.max_batch_size:
+            return
+        held, cap = self._held(), self._row_cap()
+        skipped: list[Sequence] = []
         while self.queue and lane.load < self.cfg.max_batch_size:
-            lane.scheduler.add(self.queue.popleft())
+            s = self.queue.popleft()
+            group = s.meta.get("group")
+            if held[group] >= cap:
+                skipped.append(s)
+                continue
+            held[group] += 1
+            lane.scheduler.add(s)
+        self.queue.extendleft(reversed(skipped))
 
     async def _run_lane(self, lane: Lane) -> None:
         try:
@@ -251,7 +286,7 @@ class SpecRouter:
             self.lanes.remove(lane)
             await self._flush_releases(lane)
             if self.queue:
-                self._spawn_lanes()
+                self._spawn_lanes()  # opens lanes only for sequences that may start
 
     def _fail_lane(self, lane: Lane, err: RequestFailed) -> None:
         for s in list(lane.scheduler.running) + list(lane.scheduler.waiting):

@@ -205,7 +205,7 @@ class OpenAIRouter(SpecRouter):
         seqs: list[Sequence] = []
         try:
             for ids in prompts:  # choices are prompt-major: index = prompt * n + choice
-                for s in self.submit(ids, params):
+                for s in self.submit(ids, params, group=rid):
                     s.meta.update(trace_ctx=ctx, request_id=rid)
                     seqs.append(s)
         except BaseException:

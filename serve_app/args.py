@@ -54,6 +54,7 @@ class AppArgs(BaseModel):
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before starting a batch.")
     max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output) in tokens.")
     max_queued_sequences: int = Field(256, ge=0, description="Queued sequences per router beyond which requests get 503.")
+    max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of a router's running rows one request (its n samples, its prompts) may hold; its other sequences wait while other requests run.")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
     num_threads: int = Field(0, ge=0, description="torch threads per model replica (0: all cores).")
     target_cpus: float = Field(0.5, gt=0, description="CPUs per target rank (one placement-group bundle each).")
@@ -166,6 +167,7 @@ class AppArgs(BaseModel):
                             max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
                             max_lanes=max(1, self.total_lanes // self.router_replicas),
                             max_queued_sequences=self.max_queued_sequences,
+                            max_request_share=self.max_request_share,
                             num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
                             speculate=self.speculate, max_model_len=self.max_model_len,
                             proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round

@@ -479,3 +479,39 @@ def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault)
     asyncio.run(main())
     assert draft.slowed and (fault == "draft-timeout" or target.failed)  # the fault happened
     assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side
+
+
+def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_dir, tiny_worker):
+    """An n = 8 request on a router with 4 rows holds at most max_request_share (2 rows): a later
+    single-sample request starts at once and finishes long before the large one's first wave."""
+    from specdec.sampling import SamplingParams
+
+    async def main():
+        router = _router(tiny_dir, _FakeTarget(tiny_worker), max_batch_size=2, max_lanes=2,
+                         max_request_share=0.5)
+        greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        big = router.submit([5, 6, 7], [greedy] * 8)
+        held = []
+
+        async def watch():
+            while True:
+                held.append(sum(s in big for l in router.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)))
+                await asyncio.sleep(0.002)
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.05)  # the big request runs
+        small = await asyncio.wait_for(_generate(router, [9, 10, 11], 5), timeout=30)
+        big_done_when_small_done = sum(s.finished for s in big)
+        while not all(s.finished for s in big):
+            await asyncio.gather(*(router.wait(s) for s in big if not s.finished))
+        watcher.cancel()
+        outs = [s.output_ids for s in big]
+        for s in big:
+            router.finish(s)
+        return small, big_done_when_small_done, outs, held, router
+    small, done_early, outs, held, router = asyncio.run(main())
+    assert len(small) == 5
+    assert done_early == 0  # before: the 8 samples took all 4 rows and queued ahead of the client
+    assert max(held) == 2  # never more than its share of the rows
+    assert all(len(o) == 40 and o == outs[0] for o in outs)  # every sample ran (greedy: identical)
+    assert not router.queue and not router.events
+    assert len(tiny_worker.table) == 0
