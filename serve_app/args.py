@@ -52,7 +52,8 @@ class AppArgs(BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device of the model replicas.")
     max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before starting a batch.")
-    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output) in tokens.")
+    max_model_len: int | None = Field(None, ge=16, description="Longest sequence (prompt + output) in tokens. None: the target's own limit (max_position_embeddings), capped so that a target replica's preallocated KV cache fits in kv_cache_memory_gib; an explicit value above the model's limit is an error.")
+    kv_cache_memory_gib: float = Field(2.0, gt=0, description="With max_model_len=None: memory a target replica's KV cache (all its slots, all TP ranks) may take; bounds the derived max_model_len.")
     max_queued_sequences: int = Field(256, ge=0, description="Queued sequences per router beyond which requests get 503.")
     max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of a router's running rows one request (its n samples, its prompts) may hold; its other sequences wait while other requests run.")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
@@ -148,7 +149,7 @@ class AppArgs(BaseModel):
 
     def target_config(self) -> TargetConfig:
         return TargetConfig(model=self.target, dtype=self.dtype, device=self.device, tp=self.tp,
-                            num_slots=self.max_batch_size * self.lanes_per_target, max_model_len=self.max_model_len,
+                            num_slots=self.target_slots, max_model_len=self._max_len(),
                             num_threads=self.num_threads, worker_cpus=self.target_cpus,
                             return_hidden=self.uses_features,
                             worker_gpus=1 if self.device == "cuda" else 0)
@@ -160,7 +161,7 @@ class AppArgs(BaseModel):
                            self_draft_layers=self.self_draft_layers, hybrid_ngram_min=self.hybrid_ngram_min,
                            dtype=self.dtype, device=self.device,
                            num_slots=self.max_batch_size * self.total_lanes,
-                           max_model_len=self.max_model_len, num_threads=self.num_threads)
+                           max_model_len=self._max_len(), num_threads=self.num_threads)
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(tokenizer=self.target, model_name=self.served_model_name,
@@ -169,9 +170,37 @@ class AppArgs(BaseModel):
                             max_queued_sequences=self.max_queued_sequences,
                             max_request_share=self.max_request_share,
                             num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
-                            speculate=self.speculate, max_model_len=self.max_model_len,
+                            speculate=self.speculate, max_model_len=self._max_len(),
                             proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round
                             features=self.uses_features)
+
+    @property
+    def target_slots(self) -> int:
+        """KV-cache slots of one target replica: one row per lane it can hold."""
+        return self.max_batch_size * self.lanes_per_target
+
+    def _resolve_max_model_len(self, margs) -> int:
+        """An explicit max_model_len, checked against the model; else the model's own limit, capped
+        by the KV-cache budget (as vLLM derives it from the model config and the cache memory)."""
+        limit = margs.max_position_embeddings
+        if self.max_model_len is not None:
+            if self.max_model_len > limit:
+                raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's {limit} positions")
+            return self.max_model_len
+        import torch
+        from specdec.loader import parse_dtype
+        per_token = margs.kv_bytes_per_token(torch.empty((), dtype=parse_dtype(self.dtype)).element_size())
+        fits = int(self.kv_cache_memory_gib * 2**30) // (per_token * self.target_slots) // 16 * 16
+        if fits < 16:
+            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} holds {fits} positions for "
+                             f"{self.target_slots} slots ({per_token} bytes per token); raise it, or lower "
+                             "max_batch_size / lanes_per_target")
+        return min(limit, fits)
+
+    def _max_len(self) -> int:
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is derived from the target's config: call validate_models() first")
+        return self.max_model_len
 
     # ---- cross-deployment checks (build time) ------------------------------------------------
     def validate_models(self) -> None:
@@ -191,9 +220,7 @@ class AppArgs(BaseModel):
         if self.proposer == "self" and self.self_draft_layers >= margs.num_layers:
             raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
                              f"{margs.num_layers} layers")
-        if self.max_model_len > margs.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's "
-                             f"{margs.max_position_embeddings} positions")
+        self.max_model_len = self._resolve_max_model_len(margs)
         if self.proposer in DRAFT_PROPOSERS:
             from specdec.eagle import check_eagle_fits, is_eagle
             if self.proposer == "eagle" and not is_eagle(self.draft):

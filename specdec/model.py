@@ -38,6 +38,10 @@ class ModelArgs:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV-cache bytes one position of one sequence takes: keys and values of every layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelArgs":
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -1,0 +1,56 @@
+"""AppArgs: max_model_len defaults to the target's own limit, capped by the KV-cache budget."""
+from __future__ import annotations
+
+import pytest
+
+from serve_app.args import AppArgs
+
+
+@pytest.fixture(scope="module")
+def short_dir(tmp_path_factory):
+    """A target with fewer positions (512) than the old fixed default (2048)."""
+    from specdec.testing import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("short"), seed=0, layers=2, max_pos=512)
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    from specdec.testing import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("long"), seed=0, layers=2, max_pos=100_000)
+
+
+def _resolved(**kw) -> AppArgs:
+    a = AppArgs(proposer="ngram", **kw)
+    a.validate_models()
+    return a
+
+
+def test_default_is_the_models_own_limit(short_dir):
+    a = _resolved(target=str(short_dir))  # before: refused to start (2048 > 512 positions)
+    assert a.max_model_len == 512
+    assert a.target_config().max_model_len == a.router_config().max_model_len == a.draft_config().max_model_len == 512
+
+
+def test_default_is_capped_by_the_cache_budget(long_dir):
+    # tiny target: 2 layers x (k, v) x 2 kv heads x 16 head dims = 128 values per token per slot
+    budget = 2**20  # 1 MiB for 8 x 2 = 16 slots
+    f32 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30)
+    assert f32.max_model_len == budget // (128 * 4 * 16) // 16 * 16 == 128
+    bf16 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, dtype="bfloat16")
+    assert bf16.max_model_len == 256  # half the bytes per token: twice the positions
+    fewer_slots = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, max_batch_size=2,
+                            lanes_per_target=1)
+    assert fewer_slots.max_model_len == 1024
+    with pytest.raises(ValueError, match="kv_cache_memory_gib"):
+        _resolved(target=str(long_dir), kv_cache_memory_gib=1e-6)
+
+
+def test_explicit_value_is_kept_and_checked(short_dir):
+    assert _resolved(target=str(short_dir), max_model_len=256).max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len=1024 exceeds the target's 512 positions"):
+        _resolved(target=str(short_dir), max_model_len=1024)
+
+
+def test_configs_need_the_resolved_value(short_dir):
+    with pytest.raises(ValueError, match="validate_models"):
+        AppArgs(target=str(short_dir), proposer="ngram").target_config()
