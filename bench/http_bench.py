@@ -23,10 +23,16 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-QUESTIONS = ["What is the capital of France?", "Explain what a hash table is.",
-             "Write a Python function that reverses a string.", "What does the zip builtin do?",
-             "Give three tips for writing readable code.", "How do I read a file line by line in Python?",
-             "What is the difference between a list and a tuple?", "Summarize what recursion is."]
+# Everyday questions written for this benchmark: not the distillation data (Python docs and
+# stdlib code), not the engine benchmark's prompts, never used to tune a policy.
+QUESTIONS = ["Why do leaves change colour in autumn?", "How should I prepare for a job interview?",
+             "What is a good way to start learning the guitar?", "Why is the sky blue during the day?",
+             "Can you suggest a simple recipe for dinner tonight?", "How do vaccines train the immune system?",
+             "What are some tips for sleeping better at night?", "How does a bicycle stay upright when moving?",
+             "Explain the difference between weather and climate.", "What should I pack for a weekend hiking trip?",
+             "How do I politely decline an invitation from a friend?", "Why do cats purr?",
+             "What are the main causes of inflation?", "How can I save money on groceries?",
+             "What makes a good short story?", "How do airplanes stay in the air?"]
 
 
 async def one(client, url, model, q, max_tokens, spec: bool):
@@ -66,7 +72,8 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar):
 
 
 def engine_baseline(target, dtype, max_tokens, proposer="ngram", draft=None, n_prompts=4) -> float:
-    """In-process engine tokens/s at batch 1 (adaptive, the service's proposer), same prompts."""
+    """In-process engine tokens/s at batch 1 (adaptive, the service's proposer; None: plain), same
+    prompts, same threads as a replica (all cores)."""
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.loader import load_model, load_tokenizer, parse_dtype
     from specdec.prompts import encode_chat
@@ -75,15 +82,30 @@ def engine_baseline(target, dtype, max_tokens, proposer="ngram", draft=None, n_p
     from specdec.target import TargetWorker
     tok = load_tokenizer(target)
     model = load_model(target, dtype=parse_dtype(dtype))
-    prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),
-                          num_slots=1, max_model_len=2048)
-    eng = LLMEngine(TargetWorker(model, 1, 2048), prop, tok, EngineConfig(max_batch_size=1))
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    prop = None if proposer is None else build_proposer(
+        proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype), num_slots=1,
+        max_model_len=2048)
+    eng = LLMEngine(TargetWorker(model, 1, 2048), prop, tok, EngineConfig(max_batch_size=1, speculate=prop is not None))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS[:n_prompts]]
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))
     t0 = time.perf_counter()
     eng.generate(prompts, sp)
     return n_prompts * max_tokens / (time.perf_counter() - t0)
+
+
+def start_local(args: dict, port: int = 8765) -> str:
+    """Start a local Ray cluster and the app built from `args`; returns its URL."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+    from serve_app import build_app
+    ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
 
 
 def main(argv=None):
@@ -97,54 +119,62 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=0, help="per level (default: 2 x concurrency, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of every level (each ratio from one run)")
     ap.add_argument("--no-engine", action="store_true")
     a = ap.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
-    url = a.url
-    if url is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        import ray
-        from ray import serve
-        from serve_app import build_app
-        ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": 8765})
-        args = {"target": a.target, "dtype": a.dtype, "max_batch_size": max(levels)}
-        args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})
-        serve.run(build_app(args), name="bench", route_prefix="/")
-        url = "http://127.0.0.1:8765"
+    args = {"target": a.target, "dtype": a.dtype, "max_batch_size": max(levels)}
+    args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})
+    url = a.url or start_local(args)
     n_req = {c: a.requests or max(4, 2 * c) for c in levels}
-    bar = tqdm(total=2 * sum(n_req.values()), desc="http bench")
+    bar = tqdm(total=2 * a.repeats * sum(n_req.values()), desc="http bench")
     rows = []
-    for c in levels:
-        for spec in (False, True):
-            before = httpx.get(f"{url}/stats", timeout=30).json()
-            r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar))
-            after = httpx.get(f"{url}/stats", timeout=30).json()
-            prop = after["proposed"] - before["proposed"]
-            acc = (after["accepted"] - before["accepted"]) / prop if prop else 0.0
-            rounds = after["rounds"] - before["rounds"]
-            split = {k: (after[k] - before[k]) / max(1, rounds) * 1e3 for k in ("draft_time", "target_time", "round_time")}
-            rows.append((c, spec, r, acc, split))
+    for rep in range(a.repeats):
+        for c in levels:
+            for spec in (False, True):  # interleaved: each ratio compares neighbouring measurements
+                before = httpx.get(f"{url}/stats", timeout=30).json()
+                r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar))
+                after = httpx.get(f"{url}/stats", timeout=30).json()
+                prop = after["proposed"] - before["proposed"]
+                acc = (after["accepted"] - before["accepted"]) / prop if prop else 0.0
+                rounds = after["rounds"] - before["rounds"]
+                split = {k: (after[k] - before[k]) / max(1, rounds) * 1e3
+                         for k in ("draft_time", "target_time", "round_time")}
+                drafts = prop / max(1, after["emitted"] - before["emitted"])
+                rows.append((rep, c, spec, r, acc, split, drafts))
     bar.close()
     from serve_app.args import AppArgs
     app = AppArgs(**{k: v for k, v in (("target", a.target), ("proposer", a.proposer), ("draft", a.draft))
                      if v is not None})
-    base = None if a.no_engine else engine_baseline(a.target, a.dtype, a.max_tokens, app.proposer, app.draft)
+    base = plain = None
+    if not a.no_engine:
+        base = engine_baseline(a.target, a.dtype, a.max_tokens, app.proposer, app.draft)
+        plain = engine_baseline(a.target, a.dtype, a.max_tokens, None)
     print(f"\n{a.model} via {url} (proposer {app.proposer}), greedy streaming chat, {a.max_tokens} tokens, {a.dtype}")
-    print("| concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | round ms (draft / target / other) | spec/off |")
-    print("|---|---|---|---|---|---|---|---|")
-    off = {}
-    for c, spec, r, acc, sp in rows:
+    print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
+          "round ms (draft / target / other) | spec/off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    off, ratios = {}, {}
+    for rep, c, spec, r, acc, sp, drafts in rows:
         if not spec:
-            off[c] = r["tps"]
+            off[rep, c] = r["tps"]
+        else:
+            ratios.setdefault(c, []).append(r["tps"] / off[rep, c])
         other = sp["round_time"] - sp["draft_time"] - sp["target_time"]
-        print(f"| {c} | {'adaptive' if spec else 'off'} | {r['tps']:.1f} | {r['ttft'] * 1e3:.0f} | {r['itl'] * 1e3:.1f} | "
-              f"{acc:.2f} | {sp['round_time']:.1f} ({sp['draft_time']:.1f} / {sp['target_time']:.1f} / {other:.1f}) | "
-              f"{r['tps'] / off[c]:.2f}x |")
+        print(f"| {rep + 1} | {c} | {'adaptive' if spec else 'off'} | {r['tps']:.1f} | {r['ttft'] * 1e3:.0f} | "
+              f"{r['itl'] * 1e3:.1f} | {acc:.2f} | {drafts:.2f} | {sp['round_time']:.1f} ({sp['draft_time']:.1f} / "
+              f"{sp['target_time']:.1f} / {other:.1f}) | {r['tps'] / off[rep, c]:.2f}x |")
+    print("\n| concurrency | spec/off per run | median |")
+    print("|---|---|---|")
+    for c, rs in ratios.items():
+        print(f"| {c} | {' / '.join(f'{x:.2f}x' for x in rs)} | {statistics.median(rs):.2f}x |")
     if base:
-        c1 = next(r for c, s, r, _, _ in rows if c == 1 and s) if 1 in levels else None
-        print(f"\nin-process engine, batch 1, adaptive {app.proposer}: {base:.1f} tokens/s"
-              + (f"; service at concurrency 1 keeps {c1['tps'] / base:.0%}" if c1 else ""))
+        c1 = [r["tps"] for _, c, s, r, *_ in rows if c == 1 and s]
+        c1_off = [r["tps"] for _, c, s, r, *_ in rows if c == 1 and not s]
+        print(f"\nin-process engine, batch 1, same prompts: adaptive {app.proposer} {base:.1f} tok/s, plain "
+              f"{plain:.1f} tok/s" + (f"; service at concurrency 1 keeps {statistics.median(c1) / base:.0%} "
+                                      f"(speculation on) and {statistics.median(c1_off) / plain:.0%} (plain)"
+                                      if c1 else ""))
 
 
 if __name__ == "__main__":

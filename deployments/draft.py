@@ -61,12 +61,14 @@ class DraftDeployment:
                 avoid: list[str] | None = None) -> tuple[str, DraftOutput]:
         """Drafts for a batch; `pin`/`avoid` are read by the affinity request router only."""
         from deployments.tracing import span
+        arrived = time.time()
         with self.lock, span("draft.propose", batch.trace_context, rows=len(batch), k=batch.max_draft) as sp:
             t0 = time.perf_counter()
             out = self.proposer.propose(batch)
             n = sum(out.num_draft)
             self.proposed.add(n, time.perf_counter() - t0)
             sp.set(proposed=n, unknown=len(out.unknown))
+        out.served = (arrived, time.time())
         return self.id, out
 
     def release(self, seq_ids: list[int], pin: str | None = None) -> None:

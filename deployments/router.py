@@ -50,7 +50,7 @@ from specdec.adaptive import CostModel
 from specdec.engine import eos_ids_of
 from specdec.scheduler import Scheduler, SchedulerConfig
 from specdec.sequence import Sequence
-from specdec.stats import SpecStats
+from specdec.stats import RoundProfile, SpecStats
 
 log = logging.getLogger("ray.serve")
 
@@ -127,6 +127,7 @@ class SpecRouter:
         self.events: dict[int, asyncio.Event] = {}
         self.errors: dict[int, RequestFailed] = {}
         self.stats = SpecStats()
+        self.profile = RoundProfile()  # where rounds' wall time goes (bench/round_profile.py)
         self.tokens_rate = RateWindow()
         self.draft_rate = RateWindow()
         self.accepted_rate = RateWindow()
@@ -325,10 +326,11 @@ class SpecRouter:
                   k_max=batch.max_draft, request_ids=",".join(str(s.meta.get("request_id", s.seq_id))
                                                               for s in plan.seqs)) as sp:
             batch.trace_context = inject()
+            tp, wp = time.perf_counter(), time.time()
             draft, drafted = await self._propose(lane, batch)
-            t1 = time.perf_counter()
+            t1, w1 = time.perf_counter(), time.time()
             verify = await self._verify(lane, plan, draft)
-            t2 = time.perf_counter()
+            t2, w2 = time.perf_counter(), time.time()
             if verify is None:
                 return
             sched.commit(plan, draft, verify, t1 - t0, t2 - t1, 0.0, drafted)
@@ -344,6 +346,13 @@ class SpecRouter:
             await self._flush_releases(lane)
         for s in plan.seqs:
             self._notify(s)
+        t4 = time.perf_counter()
+        ds, vs = draft.served or (wp, w1), verify.served or (w1, w2)  # (a retried verify: its last try)
+        self.profile.observe("spec" if drafted else "plain", len(plan.seqs), sum(emitted),
+                             plan_s=tp - t0, draft_call_s=t1 - tp, draft_compute_s=draft.draft_time,
+                             draft_to_s=ds[0] - wp if drafted else 0.0, draft_back_s=w1 - ds[1] if drafted else 0.0,
+                             target_call_s=t2 - t1, target_compute_s=verify.target_time,
+                             target_to_s=vs[0] - w1, target_back_s=w2 - vs[1], commit_s=t4 - t2, round_s=t4 - t0)
         if len(verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
             lane.target_pin = None  # and let the request router pick again (it avoids other lanes' replicas)
             await asyncio.sleep(0.05)
@@ -462,7 +471,7 @@ class SpecRouter:
     # ---- introspection ------------------------------------------------------------------------
     def engine_stats(self) -> dict:
         d = self.stats.to_dict()
-        d.update(lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
+        d.update(profile=self.profile.to_dict(), lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
                  running=sum(len(l.scheduler.running) for l in self.lanes),
                  tasks=len(asyncio.all_tasks()),
                  draft_resyncs=self.resyncs["draft"], target_resyncs=self.resyncs["target"],

@@ -165,6 +165,7 @@ class TargetDeployment:
                avoid: list[str] | None = None) -> tuple[str, VerifyOutput]:
         """One round for a batch; `pin`/`avoid` are read by the affinity request router only."""
         from deployments.tracing import span
+        arrived = time.time()
         with self.lock, span("target.verify", batch.trace_context, rows=len(batch), tp=self.cfg.tp) as sp:
             if self.workers:
                 from deployments.tracing import inject
@@ -183,6 +184,7 @@ class TargetDeployment:
             n = sum(len(t) for t in out.tokens)
             self.tokens.add(n, time.perf_counter() - t0)
             sp.set(emitted=n, accepted=sum(out.num_accepted), unknown=len(out.unknown))
+        out.served = (arrived, time.time())
         return self.id, out
 
     def release(self, seq_ids: list[int], pin: str | None = None) -> None:

@@ -5,7 +5,8 @@ are stateful per sequence (they hold its KV cache) but are told only what is new
 an *offset* (how many confirmed tokens of the sequence it already holds) and gets the confirmed
 tokens after it. A side that does not know a sequence at the offset it is sent (a restarted
 replica) reports the row as `unknown`; the planner then resends the whole context next round.
-These objects are plain tensors and lists so that they pickle cheaply across Ray.
+These objects are plain tensors and lists; across Ray their tensors travel as numpy arrays
+(specdec/wire.py), which Ray serializes far more cheaply.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from specdec.rejection_sampler import DraftProbs
+from specdec.wire import Wire
 
 # uniforms[:, U_DRAFT, j]: draws draft token j+1; U_ACCEPT: accept test of draft j+1;
 # U_SAMPLE: draws the recovered/bonus token at position j
@@ -22,7 +24,7 @@ U_DRAFT, U_ACCEPT, U_SAMPLE = 0, 1, 2
 
 
 @dataclass
-class SpecBatch:
+class SpecBatch(Wire):
     """One speculative round over a batch, as seen by one side (proposer or target)."""
 
     seq_ids: list[int]
@@ -50,7 +52,7 @@ class SpecBatch:
 
 
 @dataclass
-class DraftOutput:
+class DraftOutput(Wire):
     """What a proposer returns: up to k draft tokens per row (+ the distributions they came from)."""
 
     tokens: Tensor  # [B, K] long, rows padded past num_draft
@@ -59,6 +61,7 @@ class DraftOutput:
     unknown: list[int] = field(default_factory=list)  # rows whose context the proposer lacked
     draft_time: float = 0.0  # seconds spent in the proposer's model work
     draft_steps: int = 0  # forward passes the proposer ran
+    served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call
 
     @classmethod
     def empty(cls, batch_size: int) -> "DraftOutput":
@@ -66,7 +69,7 @@ class DraftOutput:
 
 
 @dataclass
-class VerifyOutput:
+class VerifyOutput(Wire):
     """What the target returns: the tokens each row emits this round (accepted + recovered/bonus)."""
 
     tokens: list[list[int]]
@@ -75,3 +78,4 @@ class VerifyOutput:
     target_time: float = 0.0  # seconds in the target's forward + sampling
     hidden: list[Tensor] | None = None  # per row [n, hidden]: target features for EAGLE-style drafts
     hidden_start: list[int] | None = None  # per row: position of hidden[i][0]
+    served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call

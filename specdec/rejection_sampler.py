@@ -26,10 +26,11 @@ import torch
 from torch import Tensor
 
 from specdec.sampling import logits_to_probs, sample_from_probs
+from specdec.wire import Wire
 
 
 @dataclass
-class DraftProbs:
+class DraftProbs(Wire):
     """Sparse draft distributions: q[b, j] is `vals[b, j]` on token ids `ids[b, j]` (zero elsewhere).
 
     An id may repeat within a row (padding columns of a one-hot q carry the token with value 0):

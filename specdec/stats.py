@@ -81,3 +81,52 @@ class SpecStats:
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
                  per_position_acceptance=self.per_position_acceptance, mean_batch_size=self.mean_batch_size)
         return d
+
+
+@dataclass
+class RoundTimes:
+    """Summed wall time of rounds of one kind, split by where it went (the service's round profile).
+
+    `*_call_s` is what the loop waited for a proposer / target call; `*_compute_s` is the part the
+    callee reports as its own work, and the rest of a call is the hop: `*_to_s` from the call to
+    the replica's method starting (routing, serialization, transfer, queueing in the replica),
+    `*_back_s` from the method's end to the caller resuming (serialization of the result,
+    transfer, the caller's event loop); the remainder is the replica's own overhead around the
+    work (lock, spans). `plan_s`: bookkeeping before the calls; `commit_s`: applying the results
+    and waking the clients; `round_s`: the whole round.
+    """
+
+    rounds: int = 0
+    rows: int = 0
+    tokens: int = 0
+    plan_s: float = 0.0
+    draft_call_s: float = 0.0
+    draft_compute_s: float = 0.0
+    draft_to_s: float = 0.0
+    draft_back_s: float = 0.0
+    target_call_s: float = 0.0
+    target_compute_s: float = 0.0
+    target_to_s: float = 0.0
+    target_back_s: float = 0.0
+    commit_s: float = 0.0
+    round_s: float = 0.0
+
+    def add(self, rows: int, tokens: int, **seconds: float) -> None:
+        self.rounds += 1
+        self.rows += rows
+        self.tokens += tokens
+        for name, s in seconds.items():
+            setattr(self, name, getattr(self, name) + s)
+
+
+@dataclass
+class RoundProfile:
+    """RoundTimes per round kind: 'plain' (no proposer call) and 'spec' (drafts asked for)."""
+
+    kinds: dict[str, RoundTimes] = field(default_factory=dict)
+
+    def observe(self, kind: str, rows: int, tokens: int, **seconds: float) -> None:
+        self.kinds.setdefault(kind, RoundTimes()).add(rows, tokens, **seconds)
+
+    def to_dict(self) -> dict:
+        return {k: asdict(v) for k, v in self.kinds.items()}
