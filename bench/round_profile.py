@@ -53,7 +53,8 @@ def profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def in_process(target: str, dtype: str, batch: int, max_tokens: int, threads: int) -> dict:
-    """Plain decoding in this process: target forward ms and round ms per round at `batch`."""
+    """Plain decoding in this process: target forward ms and round ms per round at `batch`, with
+    the target replica's own cache shape (slots, max_model_len) and feature output."""
     import torch
 
     from specdec.engine import EngineConfig, LLMEngine
@@ -61,11 +62,14 @@ def in_process(target: str, dtype: str, batch: int, max_tokens: int, threads: in
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
     from specdec.target import TargetWorker
+    from serve_app.args import AppArgs
     torch.set_num_threads(threads)
+    app = AppArgs(target=target, dtype=dtype)
+    app.validate_models()
     tok = load_tokenizer(target)
     model = load_model(target, dtype=parse_dtype(dtype))
-    eng = LLMEngine(TargetWorker(model, batch, 1024), None, tok,
-                    EngineConfig(max_batch_size=batch, max_model_len=1024, speculate=False))
+    worker = TargetWorker(model, app.target_slots, app.max_model_len, return_hidden=app.uses_features)
+    eng = LLMEngine(worker, None, tok, EngineConfig(max_batch_size=batch, max_model_len=1024, speculate=False))
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS[:batch]]
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
     rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time

@@ -333,9 +333,8 @@ class SpecRouter:
             t2, w2 = time.perf_counter(), time.time()
             if verify is None:
                 return
-            sched.commit(plan, draft, verify, t1 - t0, t2 - t1, 0.0, drafted)
+            sched.commit(plan, draft, verify, t1 - t0, t2 - t1, t2 - t0, drafted)
             t3 = time.perf_counter()
-            sched.stats.round_time += t3 - t0
             emitted = [len(t) for t in verify.tokens]
             sp.set(proposed=sum(draft.num_draft), accepted=sum(verify.num_accepted), emitted=sum(emitted),
                    bonus=sum(1 for n, m in zip(draft.num_draft, verify.num_accepted) if n and m == n))
@@ -471,7 +470,7 @@ class SpecRouter:
     # ---- introspection ------------------------------------------------------------------------
     def engine_stats(self) -> dict:
         d = self.stats.to_dict()
-        d.update(profile=self.profile.to_dict(), lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
+        d.update(profile=self.profile.to_dict(), measured_speedup=self.cost.measured_speedups(), lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
                  running=sum(len(l.scheduler.running) for l in self.lanes),
                  tasks=len(asyncio.all_tasks()),
                  draft_resyncs=self.resyncs["draft"], target_resyncs=self.resyncs["target"],

@@ -9,6 +9,13 @@ round) and picks the k in 0..k_max that maximizes E(k) / cost(k), with costs mea
 current batch size (verification is cheap at batch 1, dear at large batches). k = 0 -- plain decoding, the
 same loop -- wins when no k gives an expected speedup above 1; after `probe_interval` rounds off,
 one round probes with the best k >= 1 so a sequence whose text turned predictable comes back.
+
+The model can be wrong (kernel cliffs, contention, a service hop it does not see), so a measured
+safeguard sits on top: per batch-size bucket the cost model keeps the tokens per second that
+speculative and plain rounds actually obtained (`observe_throughput`), and while speculative
+rounds yield fewer (`speculation_loses`), the scheduler keeps adaptive rows plain except for one
+probing round every `throttle_probe_every` rounds of that bucket, whose measurement lets
+speculation come back when it wins again.
 """
 from __future__ import annotations
 
@@ -47,8 +54,15 @@ class CostModel:
     """
 
     def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
-                 recalibrate_every: int = 64):
+                 recalibrate_every: int = 64, throughput_ema: float = 0.3, throughput_min_rounds: int = 4,
+                 throttle_probe_every: int = 16):
         self.ema, self.recalibrate_every = ema, recalibrate_every
+        # (bucket, speculative) -> EMA of [tokens, seconds] per round, and rounds seen
+        self.throughput: dict[tuple[int, bool], list[float]] = {}
+        self.throughput_rounds: dict[tuple[int, bool], int] = {}
+        self.throughput_ema, self.throughput_min_rounds = throughput_ema, throughput_min_rounds
+        self.throttle_probe_every = throttle_probe_every
+        self.throttled_rounds: dict[int, int] = {}  # bucket -> rounds planned plain by the safeguard
         self.draft_step: dict[int, float] = {}  # B -> seconds per draft forward
         self.target: dict[tuple[int, int], float] = {}  # (B, K) -> seconds per target round
         self.plain_seen: dict[int, int] = {}  # B -> round index of the last plain round
@@ -82,9 +96,49 @@ class CostModel:
         if k_max == 0:
             self.plain_seen[batch] = self.rounds
 
+    # ---- the measured safeguard: tokens per second of speculative vs plain rounds --------------
+    def observe_throughput(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """A round's outcome: `tokens` emitted over all rows in `seconds` of wall time as the loop
+        paid it (in the service: hops included)."""
+        if seconds <= 0:
+            return
+        key = (self.bucket(batch), speculative)
+        old, e = self.throughput.get(key), self.throughput_ema
+        self.throughput[key] = [tokens, seconds] if old is None else [
+            (1 - e) * old[0] + e * tokens, (1 - e) * old[1] + e * seconds]
+        self.throughput_rounds[key] = self.throughput_rounds.get(key, 0) + 1
+
+    def measured_speedup(self, batch: int) -> float | None:
+        """Speculative rounds' tokens/s over plain rounds' at this bucket; None until both are measured."""
+        b = self.bucket(batch)
+        if min(self.throughput_rounds.get((b, s), 0) for s in (True, False)) < self.throughput_min_rounds:
+            return None
+        (ts, ss), (tp, sp) = self.throughput[(b, True)], self.throughput[(b, False)]
+        return (ts / ss) / (tp / sp) if tp > 0 else None
+
+    def measured_speedups(self) -> dict[int, float]:
+        """measured_speedup of every bucket that has one (for /stats)."""
+        return {b: r for b in sorted({b for b, _ in self.throughput}) if (r := self.measured_speedup(b)) is not None}
+
+    def speculation_loses(self, batch: int) -> bool:
+        s = self.measured_speedup(batch)
+        return s is not None and s < 1.0
+
+    def throttle(self, batch: int) -> bool:
+        """True: plan this round plain (speculation measurably loses at this bucket); every
+        `throttle_probe_every`-th such round is let through to re-measure speculation."""
+        if not self.speculation_loses(batch):
+            return False
+        b = self.bucket(batch)
+        n = self.throttled_rounds[b] = self.throttled_rounds.get(b, 0) + 1
+        return n % self.throttle_probe_every != 0
+
     def needs_plain_round(self, batch: int) -> bool:
         """True when t(B, 0) is unknown or stale: the next round should be plain to measure it."""
-        seen = self.plain_seen.get(self.bucket(batch))
+        b = self.bucket(batch)
+        seen = self.plain_seen.get(b)
+        if self.throughput_rounds.get((b, False), 0) < self.throughput_min_rounds:
+            return True  # the safeguard needs plain rounds' tokens/s to compare with
         return seen is None or self.rounds - seen >= self.recalibrate_every
 
     def c(self, batch: int = 1) -> float:

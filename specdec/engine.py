@@ -87,9 +87,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         verify = self.target.verify(self.scheduler.target_batch(plan, draft), draft)
         t2 = time.perf_counter()
-        out = self.scheduler.commit(plan, draft, verify, t1 - t0, t2 - t1, 0.0, drafted)
+        out = self.scheduler.commit(plan, draft, verify, t1 - t0, t2 - t1, t2 - t0, drafted)
         self._release(self.scheduler.take_releases())
-        self.scheduler.stats.round_time += time.perf_counter() - t0
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:

@@ -99,17 +99,19 @@ class Scheduler:
         p = seq.params
         return p.num_speculative_tokens is not None or (p.seed is not None and not p.greedy)
 
-    def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False) -> int:
-        """k for this row's next round, at most the live k_max and what the row may still emit."""
+    def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False, throttle: bool = False) -> int:
+        """k for this row's next round, at most the live k_max and what the row may still emit.
+        `calibrate` / `throttle`: adaptive rows whose k may depend on timings run plain."""
         req = seq.params.num_speculative_tokens
         if not self.cfg.speculate:
             k = 0
         elif req is not None:
             k = req
         elif self.cfg.adaptive:
-            if calibrate:
-                return 0  # a plain round that measures t(B, 0) for the cost model
-            cost = self.seeded_cost if self.pinned_k(seq) else self.cost
+            pinned = self.pinned_k(seq)
+            if calibrate or (throttle and not pinned):
+                return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here
+            cost = self.seeded_cost if pinned else self.cost
             k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max)
         else:
             k = self.cfg.k_max
@@ -128,7 +130,8 @@ class Scheduler:
         # such a round comes, rows choose from the costs measured so far, never stuck at k = 0.
         calibrate = (self.cfg.speculate and self.cfg.adaptive and not prefill and self.cost.needs_plain_round(B)
                      and not any(self.pinned_k(s) for s in seqs))
-        ks = [self.choose_k(s, B, calibrate) for s in seqs]
+        throttle = self.cfg.speculate and self.cfg.adaptive and not calibrate and self.cost.throttle(B)
+        ks = [self.choose_k(s, B, calibrate, throttle) for s in seqs]
         K = max(ks)
         uniforms = torch.zeros(len(seqs), 3, K + 1, dtype=torch.float64)
         for i, (s, k) in enumerate(zip(seqs, ks)):
@@ -187,6 +190,8 @@ class Scheduler:
         # wall times as the loop paid them (in the service they include the deployment hops)
         if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps, target_time, len(seqs))
+            self.cost.observe_throughput(len(seqs), drafted and any(draft.num_draft),
+                                         sum(len(t) for t in verify.tokens), round_time)
         done = [s for s in seqs if s.finished]
         for s in done:
             if s in self.running:

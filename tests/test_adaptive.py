@@ -23,7 +23,7 @@ def test_verify_cost_depends_on_batch_size():
 
 
 def test_plain_round_recalibration():
-    cost = CostModel(recalibrate_every=3)
+    cost = CostModel(recalibrate_every=3, throughput_min_rounds=0)  # (the safeguard's own plain rounds: below)
     assert cost.needs_plain_round(4)
     cost.observe(0, 0.0, 0, 0.05, batch=4)
     assert not cost.needs_plain_round(4)
@@ -111,3 +111,61 @@ def test_lowering_k_max_applies_to_running_sequences():
     assert max(h[seq.seq_id] for h in _run_rounds(sched, 10)) == 1
     late = sched.add(_seq(temperature=0))
     assert sched.adaptive_cfg.k_max == 1 and late.adaptive.cfg.k_max == 1
+
+
+# ---- the measured safeguard: speculative vs plain tokens per second ----------------------------
+def _trace(sched: Scheduler, rounds: int, hidden_s, step_s: float = 0.05) -> list[int]:
+    """Rounds at 100% acceptance whose draft/target times look cheap to the cost model, while the
+    round's wall time adds `hidden_s(round)` when it speculates (a hop the model does not see).
+    Returns k per round of the single sequence."""
+    ks = []
+    for r in range(rounds):
+        plan = sched.plan()
+        k = plan.draft_batch.num_draft[0]
+        draft = DraftOutput(torch.full((1, k), 7), [k], draft_steps=k)
+        sched.target_batch(plan, draft)
+        verify = VerifyOutput([[7] * (k + 1)], [k])
+        t = step_s * (1 + 0.05 * k)
+        sched.commit(plan, draft, verify, 0.002 * k, t, t + 0.002 * k + (hidden_s(r) if k else 0.0), drafted=k > 0)
+        ks.append(k)
+    return ks
+
+
+def test_throughput_safeguard_turns_speculation_off_when_it_loses():
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    sched.add(_seq(temperature=0))
+    ks = _trace(sched, 200, lambda r: 1.0)  # 5 tokens per 1.06 s vs 1 token per 0.05 s: loses 4x
+    assert sched.cost.measured_speedup(1) < 0.5
+    tail = ks[100:]
+    assert sum(k > 0 for k in tail) <= len(tail) // 16 + 1  # only the safeguard's probes speculate
+    assert any(k > 0 for k in tail)  # ... and they do, so it can recover
+
+
+def test_throughput_safeguard_keeps_speculation_that_wins_and_recovers():
+    wins = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    wins.add(_seq(temperature=0))
+    ks = _trace(wins, 200, lambda r: 0.01)  # a small hop: speculation still gains ~4x
+    assert wins.cost.measured_speedup(1) > 2
+    assert sum(k > 0 for k in ks[100:]) >= 90  # (calibration rounds are plain)
+    # a hop that goes away (e.g. contention ends): probes re-measure and speculation comes back
+    back = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    back.add(_seq(temperature=0))
+    ks = _trace(back, 400, lambda r: 1.0 if r < 150 else 0.0)
+    assert sum(k > 0 for k in ks[100:150]) <= 5
+    assert sum(k > 0 for k in ks[300:]) >= 90
+
+
+def test_throughput_safeguard_leaves_pinned_rows_alone():
+    """A request's own k (and a seeded row's) never depends on timings."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    sched.add(_seq(temperature=0, num_speculative_tokens=3))
+    assert set(_trace(sched, 120, lambda r: 1.0)) == {3}
+
+
+def test_safeguard_measures_plain_rounds_first():
+    cost = CostModel(throughput_min_rounds=2)
+    assert cost.needs_plain_round(1)
+    for _ in range(2):
+        cost.observe(0, 0.0, 0, 0.05, batch=1)
+        cost.observe_throughput(1, False, 1, 0.05)
+    assert not cost.needs_plain_round(1) and cost.measured_speedup(1) is None  # no speculative rounds yet
