@@ -14,7 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from deployments.tracing import ensure_provider
-from deployments.common import RateWindow, replica_id, set_torch_threads
+from deployments.common import replica_id, set_torch_threads
+from deployments.metrics import DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, LoadMeter
 from specdec.loader import parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch
 from specdec.proposers import build_proposer
@@ -52,7 +53,7 @@ class DraftDeployment:
             dtype=parse_dtype(c.dtype), device=c.device, num_slots=c.num_slots, max_model_len=c.max_model_len,
             top_j=c.top_j, ngram_min=c.ngram_min, ngram_max=c.ngram_max, hybrid_ngram_min=c.hybrid_ngram_min)
         self.lock = threading.Lock()
-        self.proposed = RateWindow()
+        self.proposed = LoadMeter()
         self.id = replica_id()
         ensure_provider()
         log.info("draft replica %s ready (%s)", self.id, c.proposer)
@@ -66,7 +67,7 @@ class DraftDeployment:
             t0 = time.perf_counter()
             out = self.proposer.propose(batch)
             n = sum(out.num_draft)
-            self.proposed.add(n, time.perf_counter() - t0)
+            self.proposed.record(n, time.perf_counter() - t0)
             sp.set(proposed=n, unknown=len(out.unknown))
         out.served = (arrived, time.time())
         return self.id, out
@@ -80,4 +81,4 @@ class DraftDeployment:
                 "active_sequences": self.proposer.num_active}
 
     def record_autoscaling_stats(self) -> dict:
-        return {"draft_tokens_per_s": self.proposed.rate(), "busy_fraction": self.proposed.busy_fraction()}
+        return {DRAFT_TOKENS_PER_S: self.proposed.tokens_per_s(), DRAFT_BUSY_FRACTION: self.proposed.busy_fraction()}

@@ -56,7 +56,6 @@ ROUTER_STATS_KEYS = (
 TARGET_TOKENS_PER_S = "tokens_per_s"  # tokens emitted by this replica per second
 TARGET_ACTIVE_SEQUENCES = "active_sequences"  # sequences holding KV state on this replica
 TARGET_BUSY_FRACTION = "busy_fraction"  # fraction of wall time spent in forward passes
-TARGET_QUEUED_REQUESTS = "queued_requests"  # optional: router backlog relayed with verify calls
 TARGET_STATS_KEYS = (TARGET_TOKENS_PER_S, TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION)
 
 # Draft

@@ -3,12 +3,11 @@ Draft and Target deployment handles.
 
 Requests become sequences in a bounded queue. Sequences run in *lanes*: a lane is one running
 batch (up to `max_batch_size`) pinned to one draft replica and one target replica (the replicas
-that hold its KV caches, see deployments/affinity.py). Each lane loops over rounds
+that hold its KV caches, see deployments/affinity.py). Each lane loops over the rounds of
+`specdec.round` (plan, propose, verify, commit), whose two calls become
 
-    plan = scheduler.plan()                                  # admit, k per row, uniforms
     draft = await draft.propose(plan.draft_batch, pin=...)   # one call for the whole batch
     verify = await target.verify(target_batch, draft, pin=...)
-    scheduler.commit(...)                                    # append + stops, wake consumers
 
 and sequences join and leave between rounds. A new lane opens when every lane is full (its first
 call goes unpinned, so it lands on the least-loaded replica: scale-out is used). Lanes run in a
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from deployments.common import RateWindow, replica_id
+from deployments.common import replica_id
 from deployments.target import TargetFault
 from deployments.tracing import ensure_provider, inject, span
 from specdec.loader import load_tokenizer
@@ -48,6 +47,7 @@ from specdec.metadata import DraftOutput
 from specdec.sampling import SamplingParams
 from specdec.adaptive import CostModel
 from specdec.engine import eos_ids_of
+from specdec.round import RoundResult, round_steps, run_round_async
 from specdec.scheduler import Scheduler, SchedulerConfig
 from specdec.sequence import Sequence
 from specdec.stats import RoundProfile, SpecStats
@@ -126,12 +126,9 @@ class SpecRouter:
         self.lanes: list[Lane] = []
         self.events: dict[int, asyncio.Event] = {}
         self.errors: dict[int, RequestFailed] = {}
-        self.stats = SpecStats()
         self.profile = RoundProfile()  # where rounds' wall time goes (bench/round_profile.py)
-        self.tokens_rate = RateWindow()
-        self.draft_rate = RateWindow()
-        self.accepted_rate = RateWindow()
         self.cost = CostModel()  # measured costs by batch size, shared by all lanes (they outlive none)
+        self.stats = SpecStats()  # one statistics object for all lanes (each lane's scheduler records here)
         self.proposer_has_model = self.cfg.proposer_has_model
         self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
         self.rounds_by_target: dict[str, int] = {}  # target replica id -> rounds it verified
@@ -245,7 +242,7 @@ class SpecRouter:
             self._fill(lane)
         while len(self.lanes) < self.cfg.max_lanes and self._startable():
             lane = Lane(Scheduler(self._sched_cfg(), self.tokenizer, self.eos_ids,
-                                  proposer_has_model=self.proposer_has_model, cost=self.cost))
+                                  proposer_has_model=self.proposer_has_model, cost=self.cost, stats=self.stats))
             self.lanes.append(lane)
             self._fill(lane)
             # A fresh context: the lane outlives the request that opened it, so its Draft/Target
@@ -317,61 +314,69 @@ class SpecRouter:
     async def _round(self, lane: Lane) -> None:
         sched = lane.scheduler
         t0 = time.perf_counter()
-        plan = sched.plan()
-        if plan is None:
-            return
-        batch = plan.draft_batch
+        steps = round_steps(sched)
+        try:
+            first = next(steps)
+        except StopIteration:
+            return  # nothing to run
+        plan = first.plan
+        calls: dict[str, float] = {}  # wall clock around the calls, for the profile's hop split
+
+        async def propose(plan):
+            calls["draft_sent"] = time.time()
+            out = await self._propose(lane, plan.draft_batch)
+            calls["draft_back"] = time.time()
+            return out
+
+        async def verify(plan, draft):
+            calls["target_sent"] = time.time()
+            out = await self._verify(lane, plan, draft)
+            calls["target_back"] = time.time()
+            return out
+
         ctxs = [s.meta.get("trace_ctx") for s in plan.seqs]
-        with span("router.round", parent=ctxs[0], links=ctxs[1:], batch_size=len(batch),
-                  k_max=batch.max_draft, request_ids=",".join(str(s.meta.get("request_id", s.seq_id))
-                                                              for s in plan.seqs)) as sp:
-            batch.trace_context = inject()
-            tp, wp = time.perf_counter(), time.time()
-            draft, drafted = await self._propose(lane, batch)
-            t1, w1 = time.perf_counter(), time.time()
-            verify = await self._verify(lane, plan, draft)
-            t2, w2 = time.perf_counter(), time.time()
-            if verify is None:
+        with span("router.round", parent=ctxs[0], links=ctxs[1:], batch_size=len(plan.seqs),
+                  k_max=plan.draft_batch.max_draft,
+                  request_ids=",".join(str(s.meta.get("request_id", s.seq_id)) for s in plan.seqs)) as sp:
+            plan.draft_batch.trace_context = inject()
+            r = await run_round_async(steps, first, propose, verify)
+            if r is None:
                 return
-            sched.commit(plan, draft, verify, t1 - t0, t2 - t1, t2 - t0, drafted)
-            t3 = time.perf_counter()
-            emitted = [len(t) for t in verify.tokens]
-            sp.set(proposed=sum(draft.num_draft), accepted=sum(verify.num_accepted), emitted=sum(emitted),
-                   bonus=sum(1 for n, m in zip(draft.num_draft, verify.num_accepted) if n and m == n))
-        self._account(plan, draft, verify, emitted, t1 - t0, t2 - t1, t3 - t0)
+            sp.set(proposed=sum(r.draft.num_draft), accepted=sum(r.verify.num_accepted), emitted=sum(r.emitted),
+                   bonus=sum(1 for n, m in zip(r.draft.num_draft, r.verify.num_accepted) if n and m == n))
+        self._account(r)
         if not sched.has_work and not self.queue:
             # the lane's last round: free its slots before its clients hear back, so a request they
             # send next never finds the replicas still holding them
             await self._flush_releases(lane)
         for s in plan.seqs:
             self._notify(s)
-        t4 = time.perf_counter()
-        ds, vs = draft.served or (wp, w1), verify.served or (w1, w2)  # (a retried verify: its last try)
-        self.profile.observe("spec" if drafted else "plain", len(plan.seqs), sum(emitted),
-                             plan_s=tp - t0, draft_call_s=t1 - tp, draft_compute_s=draft.draft_time,
-                             draft_to_s=ds[0] - wp if drafted else 0.0, draft_back_s=w1 - ds[1] if drafted else 0.0,
-                             target_call_s=t2 - t1, target_compute_s=verify.target_time,
-                             target_to_s=vs[0] - w1, target_back_s=w2 - vs[1], commit_s=t4 - t2, round_s=t4 - t0)
-        if len(verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
+        self._profile(r, calls, time.perf_counter() - t0)
+        if len(r.verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
             lane.target_pin = None  # and let the request router pick again (it avoids other lanes' replicas)
             await asyncio.sleep(0.05)
 
-    def _account(self, plan, draft, verify, emitted, draft_s, target_s, round_s) -> None:
+    def _profile(self, r: RoundResult, calls: dict[str, float], round_s: float) -> None:
+        ds = r.draft.served or (calls["draft_sent"], calls["draft_back"])
+        vs = r.verify.served or (calls["target_sent"], calls["target_back"])  # (a retried verify: its last try)
+        self.profile.observe("spec" if r.drafted else "plain", len(r.plan.seqs), sum(r.emitted),
+                             plan_s=r.plan_s, draft_call_s=r.draft_s - r.plan_s, draft_compute_s=r.draft.draft_time,
+                             draft_to_s=ds[0] - calls["draft_sent"] if r.drafted else 0.0,
+                             draft_back_s=calls["draft_back"] - ds[1] if r.drafted else 0.0,
+                             target_call_s=r.target_s, target_compute_s=r.verify.target_time,
+                             target_to_s=vs[0] - calls["target_sent"], target_back_s=calls["target_back"] - vs[1],
+                             commit_s=round_s - r.round_s, round_s=round_s)
+
+    def _account(self, r: RoundResult) -> None:
+        """Router-wide rates and metrics of a round (its statistics went to the shared SpecStats)."""
+        plan, draft, verify, emitted = r.plan, r.draft, r.verify, r.emitted
+        draft_s, target_s, round_s = r.draft_s, r.target_s, r.round_s
         self.resyncs["draft"] += len(draft.unknown)
         self.resyncs["target"] += len(verify.unknown)
-        self.tokens_rate.add(sum(emitted))
-        self.draft_rate.add(sum(draft.num_draft))
-        self.accepted_rate.add(sum(verify.num_accepted))
-        for k, m, e in zip(draft.num_draft, verify.num_accepted, emitted):
-            self.stats.observe_row(k, m, e)
-        self.stats.observe_round(len(plan.seqs), draft_s, target_s, round_s)
         if self.metrics:
             self.metrics.record_round(len(plan.seqs), list(draft.num_draft), list(verify.num_accepted), emitted,
                                       draft_s, target_s, round_s)
-            running = [s for l in self.lanes for s in l.scheduler.running]
-            on = sum(1 for s in running if s.adaptive and s.adaptive.off_rounds == 0)
-            self.metrics.record_queue(len(self.queue), len(running))
-            self.metrics.record_speculation(on, len(running) - on)
+            self._record_load()
             for s, e in zip(plan.seqs, emitted):
                 if e and s.first_token_time is not None and s.num_output == e:
                     self.metrics.record_first_token(s.first_token_time - s.arrival)
@@ -478,15 +483,16 @@ class SpecRouter:
                  rounds_by_target=dict(self.rounds_by_target))  # debug: asyncio tasks of this replica (leak checks)
         return d
 
-    def record_autoscaling_stats(self) -> dict:
+    def _record_load(self) -> None:
+        """The live queue, running and speculating counts into the metrics (gauges, autoscaling)."""
         running = [s for l in self.lanes for s in l.scheduler.running]
-        spec_on = sum(1 for s in running if s.adaptive and s.adaptive.off_rounds == 0)
-        return {
-            "ongoing_requests": float(len(running) + len(self.queue)),
-            "queued_requests": float(len(self.queue)),
-            "tokens_per_s": self.tokens_rate.rate(),
-            "acceptance_rate": self.accepted_rate.rate() / max(self.draft_rate.rate(), 1e-9)
-            if self.draft_rate.rate() else self.stats.acceptance_rate,
-            "speculating_fraction": spec_on / len(running) if running else 0.0,
-            "draft_tokens_per_s": self.draft_rate.rate(),
-        }
+        on = sum(1 for s in running if s.adaptive and s.adaptive.off_rounds == 0)
+        self.metrics.record_queue(len(self.queue), len(running))
+        self.metrics.record_speculation(on, len(running) - on)
+
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metrics: RouterMetrics' dict (keys ROUTER_*), load as of now."""
+        if self.metrics is None:
+            return {}
+        self._record_load()
+        return self.metrics.autoscaling_stats()

@@ -25,7 +25,9 @@ import torch
 from pydantic import BaseModel, Field
 
 from deployments.tracing import ensure_provider
-from deployments.common import RateWindow, replica_id, set_torch_threads
+from deployments.common import replica_id, set_torch_threads
+from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
+                                 LoadMeter)
 from specdec.loader import load_model, parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.target import TargetWorker
@@ -137,7 +139,7 @@ class TargetDeployment:
         self.worker = TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden)
         self.lock = threading.Lock()
         self.broken: str | None = None  # why the TP group cannot serve any more
-        self.tokens = RateWindow()
+        self.tokens = LoadMeter()
         self.id = replica_id()
         ensure_provider()
         log.info("target replica %s ready (tp=%d, %s)", self.id, self.cfg.tp, self.cfg.dtype)
@@ -182,7 +184,7 @@ class TargetDeployment:
                     raise TargetFault(f"target replica {self.id} is broken: {self.broken}") from None
                 raise
             n = sum(len(t) for t in out.tokens)
-            self.tokens.add(n, time.perf_counter() - t0)
+            self.tokens.record(n, time.perf_counter() - t0)
             sp.set(emitted=n, accepted=sum(out.num_accepted), unknown=len(out.unknown))
         out.served = (arrived, time.time())
         return self.id, out
@@ -218,5 +220,5 @@ class TargetDeployment:
             ray.get([w.ping.remote() for w in self.workers], timeout=10)
 
     def record_autoscaling_stats(self) -> dict:
-        return {"tokens_per_s": self.tokens.rate(), "active_sequences": float(len(self.worker.table)),
-                "busy_fraction": self.tokens.busy_fraction()}
+        return {TARGET_TOKENS_PER_S: self.tokens.tokens_per_s(), TARGET_ACTIVE_SEQUENCES: float(len(self.worker.table)),
+                TARGET_BUSY_FRACTION: self.tokens.busy_fraction()}

@@ -84,8 +84,8 @@ class OpenAIRouter(SpecRouter):
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers or _retry_after(e))
         except Overloaded as e:
             status = 503
-            err = APIError(str(e), status=503, code="overloaded")
-            return JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(e.retry_after)})
+            err = APIError.overloaded(str(e), retry_after_s=e.retry_after)
+            return JSONResponse(err.body(), status_code=503, headers=err.headers)
         except RequestFailed as e:
             status = e.status
             err = APIError(str(e), status=e.status)
@@ -95,7 +95,7 @@ class OpenAIRouter(SpecRouter):
             raise
         except Exception:  # noqa: BLE001 - never let one request take the replica down
             log.exception("unhandled error on %s", path)
-            return JSONResponse(APIError("Internal server error.", status=500).body(), status_code=500)
+            return JSONResponse(APIError.internal().body(), status_code=500)
         finally:
             log.info("%s %s -> %s in %.1f ms", request.method, path, status, (time.perf_counter() - t0) * 1e3)
 
@@ -108,8 +108,7 @@ class OpenAIRouter(SpecRouter):
         for key in self.api_keys:  # compare with every key, in constant time each
             ok |= hmac.compare_digest(token, key)
         if not ok:
-            raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                           status=401, type="invalid_request_error", code="invalid_api_key")
+            raise APIError.invalid_api_key()
 
     async def _body(self, request: Request) -> bytes:
         limit = self.api.max_body_bytes
@@ -138,8 +137,7 @@ class OpenAIRouter(SpecRouter):
     # ---- generation ------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.cfg.model_name:
-            raise APIError(f"The model '{model}' does not exist; this server serves '{self.cfg.model_name}'.",
-                           status=404, param="model", code="model_not_found")
+            raise APIError.model_not_found(model, served=self.cfg.model_name)
 
     def _prepare(self, req, prompts: list[list[int]], param: str):
         """Sampling params per choice, after the context-window checks."""
@@ -289,8 +287,7 @@ class OpenAIRouter(SpecRouter):
         spec = SpeculativeUsage(proposed_tokens=sum(s.proposed for s in seqs),
                                 accepted_tokens=sum(s.accepted for s in seqs),
                                 rounds=sum(s.rounds for s in seqs)) if speculative else None
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     speculative=spec)
+        return Usage.of(prompt, completion, speculative=spec)
 
 
 def _finish(seq: Sequence) -> str:

@@ -16,8 +16,8 @@ the downscale timer. Missing data (no replica has reported yet) holds the curren
 result is clamped to the context's capacity-adjusted min/max.
 
 * `router_policy`: ongoing (running + queued) sequences per router replica.
-* `target_policy`: generated tokens/s against `target_tokens_per_s`, and sequences (active + any
-  relayed router queue) against `target_sequences_per_replica`.
+* `target_policy`: generated tokens/s against `target_tokens_per_s`, and active sequences against
+  `target_sequences_per_replica` (the application policy adds the routers' queues).
 * `draft_policy`: proposals/s against `draft_tokens_per_s`. When acceptance collapses the router's
   adaptive scheduler turns speculation down (k -> 0), proposal demand falls and draft replicas are
   released; when it recovers, demand and replicas return.
@@ -76,10 +76,10 @@ from deployments.metrics import (  # noqa: F401  (re-exported: the stats-key con
     ROUTER_TOKENS_PER_S,
     TARGET_ACTIVE_SEQUENCES,
     TARGET_BUSY_FRACTION,
-    TARGET_QUEUED_REQUESTS,
     TARGET_STATS_KEYS,
     TARGET_TOKENS_PER_S,
 )
+from specdec.adaptive import expected_tokens
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
@@ -189,8 +189,7 @@ def _now(ctx: "AutoscalingContext") -> float:
 
 def expected_tokens_per_forward(acceptance: float, k: int, speculating_fraction: float = 1.0) -> float:
     """E[tokens per sequence per target forward]: (1 - a^(k+1)) / (1 - a) when speculating, else 1."""
-    a = min(max(acceptance, 0.0), 1.0)
-    e = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    e = expected_tokens(min(max(acceptance, 0.0), 1.0), k)
     f = min(max(speculating_fraction, 0.0), 1.0)
     return f * e + (1.0 - f)
 
@@ -250,10 +249,9 @@ def _target_units(ctx: "AutoscalingContext", p: AutoscalingParams, extra_sequenc
     if tokens_per_s is not None:
         tps = tokens_per_s if tps is None else max(tps, tokens_per_s)
     active = _sum(ctx, TARGET_ACTIVE_SEQUENCES)
-    queued = _sum(ctx, TARGET_QUEUED_REQUESTS) or 0.0
     seqs = None
-    if active is not None or extra_sequences:
-        seqs = max((active or 0.0) + queued, extra_sequences)
+    if active is not None or extra_sequences:  # (the routers' queues arrive as extra_sequences)
+        seqs = max(active or 0.0, extra_sequences)
     busy = _sum(ctx, TARGET_BUSY_FRACTION) if p.scale_on_busy else None
     return _max_units(
         None if tps is None else tps / (p.target_tokens_per_s * capacity_scale),
@@ -281,7 +279,7 @@ def router_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = 
 
 
 def target_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
-    """Target: tokens/s vs target_tokens_per_s and sequences (+ relayed queue) vs slots."""
+    """Target: tokens/s vs target_tokens_per_s and active sequences vs slots."""
     p = params or DEFAULT_PARAMS
     state = dict(ctx.policy_state or {})
     return decide(ctx, _target_units(ctx, p), p, state, "target"), state

@@ -8,8 +8,6 @@ API_KEYS_ENV = "SPECDEC_API_KEYS"
 API_KEYS_FILE_ENV = "SPECDEC_API_KEYS_FILE"
 # Log prompts and completions (off by default: request logs never contain them).
 DEBUG_LOG_PROMPTS = os.environ.get("SPECDEC_DEBUG_LOG_PROMPTS", "0") == "1"
-# torch threads per model replica (0 = one per core the replica may use).
-NUM_THREADS = int(os.environ.get("SPECDEC_NUM_THREADS", "0"))
 # proposer=auto: what the demo target gets with its shipped draft (the fastest measured, see
 # BENCHMARKS.md); other targets get prompt lookup, which needs no weights.
 AUTO_PROPOSER_WITH_DRAFT = os.environ.get("SPECDEC_AUTO_PROPOSER", "hybrid")

@@ -115,15 +115,17 @@ class APIError(Exception):
         return f"APIError(status={self.status}, param={self.param!r}, message={self.message!r})"
 
     @classmethod
-    def model_not_found(cls, model: str) -> APIError:
+    def model_not_found(cls, model: str, served: str | None = None) -> APIError:
         """404 for a model id this service does not serve."""
-        return cls(f"The model `{model}` does not exist.", status=404, param="model",
+        also = f"; this server serves '{served}'" if served else ""
+        return cls(f"The model '{model}' does not exist{also}.", status=404, param="model",
                    code="model_not_found")
 
     @classmethod
     def invalid_api_key(cls) -> APIError:
         """401 for a missing or wrong API key."""
-        return cls("Incorrect API key provided.", status=401, code="invalid_api_key")
+        return cls("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", status=401,
+                   code="invalid_api_key")
 
     @classmethod
     def overloaded(cls, message: str = "The server is overloaded; retry later.", *,

@@ -1,22 +1,17 @@
-"""`LLMEngine`: the speculative decoding loop in process (the Ray Serve router runs the same loop
-against deployment handles).
-
-    plan = scheduler.plan()                          # who runs, k per row, uniforms
-    draft = proposer.propose(plan.draft_batch)       # k autoregressive draft steps, whole batch
-    verify = target.verify(target_batch, draft)      # one target pass + rejection sampler
-    scheduler.commit(plan, draft, verify, ...)       # append, stop, adapt k, stats
+"""`LLMEngine`: the speculative decoding loop in process. Each step is one round of
+`specdec.round` (plan, propose, verify, commit) driven with plain calls to the proposer and the
+target worker; the Ray Serve router drives the same round against deployment handles.
 
 Plain autoregressive decoding is the k = 0 case of the same loop (the proposer is then skipped).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import torch
 
 from specdec.metadata import DraftOutput
 from specdec.proposers.base import Proposer
+from specdec.round import run_round
 from specdec.sampling import SamplingParams
 from specdec.scheduler import Scheduler, SchedulerConfig
 from specdec.sequence import Sequence
@@ -75,21 +70,17 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one speculative round over the running batch; returns the sequences it touched."""
-        t0 = time.perf_counter()
-        plan = self.scheduler.plan()
-        if plan is None:
-            return []
-        batch = plan.draft_batch
-        self._release(batch.release)
-        batch.release = []
-        drafted = self.proposer is not None and batch.max_draft > 0
-        draft = self.proposer.propose(batch) if drafted else DraftOutput.empty(len(batch))
-        t1 = time.perf_counter()
-        verify = self.target.verify(self.scheduler.target_batch(plan, draft), draft)
-        t2 = time.perf_counter()
-        out = self.scheduler.commit(plan, draft, verify, t1 - t0, t2 - t1, t2 - t0, drafted)
+        result = run_round(self.scheduler, self._propose, self._verify)
         self._release(self.scheduler.take_releases())
-        return out
+        return result.plan.seqs if result is not None else []
+
+    def _propose(self, plan) -> tuple[DraftOutput, bool]:
+        if self.proposer is None or plan.draft_batch.max_draft == 0:
+            return DraftOutput.empty(len(plan.seqs)), False
+        return self.proposer.propose(plan.draft_batch), True
+
+    def _verify(self, plan, draft: DraftOutput):
+        return self.target.verify(self.scheduler.target_batch(plan, draft), draft)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Run prompts to completion (continuous batching up to max_batch_size)."""
@@ -112,9 +103,3 @@ def eos_ids_of(tokenizer) -> list[int]:
         if tid is not None:
             ids.add(int(tid))
     return sorted(ids)
-
-
-def set_threads(n: int) -> None:
-    """Set torch intra-op threads (Ray sets 1 inside replicas with fractional num_cpus)."""
-    if n > 0:
-        torch.set_num_threads(n)

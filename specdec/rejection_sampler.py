@@ -123,10 +123,3 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Ten
     out[torch.arange(B), n_acc] = final
     return out, n_acc
 
-
-class RejectionSampler:
-    """Namespace for the verifier's pure functions (vLLM-style name)."""
-
-    greedy = staticmethod(greedy_verify)
-    random = staticmethod(random_verify)
-    __call__ = staticmethod(rejection_sample)

@@ -6,8 +6,8 @@ request, or adaptive), draws the row's uniforms (keyed by its seed and position)
 and `commit()` appends what the target emitted (stop conditions included), updates offsets,
 adaptive state and stats, and retires finished sequences. Sequences join and leave between rounds.
 
-The loop that calls proposer and target is not here: `engine.LLMEngine.step` runs it in process,
-and the Ray Serve router runs the same three calls against deployment handles.
+The round that calls proposer and target is `specdec.round` (driven in process by
+`engine.LLMEngine.step` and against deployment handles by the Ray Serve router).
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ class RoundPlan:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, tokenizer=None, eos_token_ids=(), proposer_has_model: bool = True,
-                 adaptive_cfg: AdaptiveConfig | None = None, cost: CostModel | None = None):
+                 adaptive_cfg: AdaptiveConfig | None = None, cost: CostModel | None = None,
+                 stats: SpecStats | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -55,7 +56,7 @@ class Scheduler:
         # Seeded requests must reproduce: their k may depend on their own acceptance history
         # (itself determined by the seed) but not on timings, so they plan with the prior costs.
         self.seeded_cost = CostModel()
-        self.stats = SpecStats()
+        self.stats = stats if stats is not None else SpecStats()  # may be shared too (the router's lanes)
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> Sequence:

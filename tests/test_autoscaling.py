@@ -111,10 +111,9 @@ def test_downscale_timer_resets_when_load_returns():
     assert sim.step(T0 + 130, totals={A.TARGET_TOKENS_PER_S: 50}) == 1
 
 
-def test_target_scales_on_sequences_and_relayed_queue():
+def test_target_scales_on_sequences():
     sim = Sim(A.target_policy, "Target", replicas=1)
-    n = sim.step(T0, totals={A.TARGET_TOKENS_PER_S: 10, A.TARGET_ACTIVE_SEQUENCES: 16,
-                             A.TARGET_QUEUED_REQUESTS: 16})
+    n = sim.step(T0, totals={A.TARGET_TOKENS_PER_S: 10, A.TARGET_ACTIVE_SEQUENCES: 32})
     assert n == math.ceil(32 / 16 / P.target_utilization)  # 3
 
 

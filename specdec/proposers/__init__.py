@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from specdec.proposers.base import PROPOSERS, Proposer
+from specdec.proposers.base import Proposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.hybrid import HybridProposer
@@ -89,5 +89,5 @@ def build_proposer(kind: str, **kwargs) -> Proposer | None:
     return BUILDERS[kind](**kwargs)
 
 
-__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "EagleProposer", "HybridProposer",
+__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "EagleProposer", "HybridProposer",
            "build_proposer"]

@@ -1,8 +1,9 @@
 """The proposer interface: `propose(batch) -> DraftOutput` for a whole batch.
 
 A proposer keeps per-sequence state (a draft KV cache, or just the token history) that it syncs
-from the confirmed tokens each round brings (`SpecBatch.offsets`/`new_tokens`). Variants register
-themselves by name in `PROPOSERS`, so configuration picks one without an if-chain.
+from the confirmed tokens each round brings (`SpecBatch.offsets`/`new_tokens`). Configuration picks
+a variant by name through the builder registry in `specdec.proposers` (`BUILDERS`), without an
+if-chain.
 """
 from __future__ import annotations
 
@@ -10,19 +11,7 @@ from abc import ABC, abstractmethod
 
 from specdec.metadata import DraftOutput, SpecBatch
 
-PROPOSERS: dict[str, type["Proposer"]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        PROPOSERS[name] = cls
-        cls.name = name
-        return cls
-    return deco
-
-
 class Proposer(ABC):
-    name = "base"
     needs_features = False  # True: propose() reads the target's features (SpecBatch.features)
 
     @abstractmethod

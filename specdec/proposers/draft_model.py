@@ -20,13 +20,12 @@ import torch
 from torch import Tensor
 
 from specdec.metadata import U_DRAFT, DraftOutput, SpecBatch
-from specdec.proposers.base import Proposer, register
+from specdec.proposers.base import Proposer
 from specdec.rejection_sampler import DraftProbs
 from specdec.runner import CacheFullError, SlotTable, run_ragged
 from specdec.sampling import logits_to_probs, sample_from_probs
 
 
-@register("draft")
 class DraftModelProposer(Proposer):
     def __init__(self, model, num_slots: int, max_model_len: int, token_map: Tensor | None = None,
                  top_j: int = 32, **_):

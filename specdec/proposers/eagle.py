@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from specdec.metadata import SpecBatch
-from specdec.proposers.base import register
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.runner import run_ragged
 
@@ -52,7 +51,6 @@ class FeatureBuffer:
         return True
 
 
-@register("eagle")
 class EagleProposer(DraftModelProposer):
     needs_features = True
 

@@ -14,11 +14,10 @@ import time
 import torch
 
 from specdec.metadata import DraftOutput, SpecBatch
-from specdec.proposers.base import Proposer, register
+from specdec.proposers.base import Proposer
 from specdec.rejection_sampler import DraftProbs
 
 
-@register("hybrid")
 class HybridProposer(Proposer):
     def __init__(self, ngram: Proposer, model: Proposer):
         self.ngram, self.model = ngram, model

@@ -12,7 +12,7 @@ import time
 import torch
 
 from specdec.metadata import DraftOutput, SpecBatch
-from specdec.proposers.base import Proposer, register
+from specdec.proposers.base import Proposer
 
 
 def ngram_lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> list[int]:
@@ -27,7 +27,6 @@ def ngram_lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> l
     return []
 
 
-@register("ngram")
 class NgramProposer(Proposer):
     def __init__(self, min_n: int = 1, max_n: int = 3, **_):
         self.min_n, self.max_n = min_n, max_n

@@ -1,0 +1,74 @@
+"""specdec.round: the round written once, driven synchronously and asynchronously."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from specdec.metadata import DraftOutput, VerifyOutput
+from specdec.round import Propose, Verify, round_steps, run_round, run_round_async
+from specdec.sampling import SamplingParams
+from specdec.scheduler import Scheduler, SchedulerConfig
+from specdec.sequence import Sequence
+
+
+def _sched() -> Scheduler:
+    s = Scheduler(SchedulerConfig(max_batch_size=2, k_max=2, adaptive=False))
+    for _ in range(2):
+        s.add(Sequence([1, 2, 3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)))
+    return s
+
+
+def _propose(plan):
+    ks = plan.draft_batch.num_draft
+    return DraftOutput(torch.full((len(ks), max(ks)), 7), list(ks), draft_steps=max(ks)), True
+
+
+def _verify(plan, draft):
+    return VerifyOutput([[7] * (k + 1) for k in draft.num_draft], list(draft.num_draft))
+
+
+def test_one_round_asks_for_drafts_then_verification_and_commits_once():
+    sched = _sched()
+    steps = round_steps(sched)
+    call = next(steps)
+    assert isinstance(call, Propose) and call.plan.draft_batch.num_draft == [2, 2]
+    call = steps.send(_propose(call.plan))
+    assert isinstance(call, Verify) and call.draft.num_draft == [2, 2]
+    try:
+        steps.send(_verify(call.plan, call.draft))
+    except StopIteration as done:
+        r = done.value
+    assert r.emitted == [3, 3] and r.drafted and sched.stats.rounds == 1
+    assert [s.num_output for s in sched.running] == [3, 3]
+
+
+def test_sync_and_async_drivers_give_the_same_rounds():
+    a, b = _sched(), _sched()
+    for _ in range(5):
+        ra = run_round(a, _propose, _verify)
+
+        async def drive():
+            steps = round_steps(b)
+            first = next(steps)
+
+            async def propose(plan):
+                return _propose(plan)
+
+            async def verify(plan, draft):
+                return _verify(plan, draft)
+            return await run_round_async(steps, first, propose, verify)
+        rb = asyncio.run(drive())
+        assert ra.emitted == rb.emitted
+    assert [s.output_ids for s in a.running] == [s.output_ids for s in b.running]
+    assert a.stats.emitted == b.stats.emitted == 30
+
+
+def test_an_abandoned_verification_commits_nothing():
+    sched = _sched()
+    assert run_round(sched, _propose, lambda plan, draft: None) is None
+    assert sched.stats.rounds == 0 and all(s.num_output == 0 for s in sched.running)
+
+
+def test_no_plan_no_round():
+    assert run_round(Scheduler(SchedulerConfig()), _propose, _verify) is None
