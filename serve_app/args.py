@@ -187,9 +187,8 @@ class AppArgs(BaseModel):
             if self.max_model_len > limit:
                 raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's {limit} positions")
             return self.max_model_len
-        import torch
         from specdec.loader import parse_dtype
-        per_token = margs.kv_bytes_per_token(torch.empty((), dtype=parse_dtype(self.dtype)).element_size())
+        per_token = margs.kv_bytes_per_token(parse_dtype(self.dtype).itemsize)
         fits = int(self.kv_cache_memory_gib * 2**30) // (per_token * self.target_slots) // 16 * 16
         if fits < 16:
             raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} holds {fits} positions for "

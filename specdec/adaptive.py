@@ -57,9 +57,8 @@ class CostModel:
                  recalibrate_every: int = 64, throughput_ema: float = 0.3, throughput_min_rounds: int = 4,
                  throttle_probe_every: int = 16):
         self.ema, self.recalibrate_every = ema, recalibrate_every
-        # (bucket, speculative) -> EMA of [tokens, seconds] per round, and rounds seen
+        # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
-        self.throughput_rounds: dict[tuple[int, bool], int] = {}
         self.throughput_ema, self.throughput_min_rounds = throughput_ema, throughput_min_rounds
         self.throttle_probe_every = throttle_probe_every
         self.throttled_rounds: dict[int, int] = {}  # bucket -> rounds planned plain by the safeguard
@@ -104,16 +103,18 @@ class CostModel:
             return
         key = (self.bucket(batch), speculative)
         old, e = self.throughput.get(key), self.throughput_ema
-        self.throughput[key] = [tokens, seconds] if old is None else [
-            (1 - e) * old[0] + e * tokens, (1 - e) * old[1] + e * seconds]
-        self.throughput_rounds[key] = self.throughput_rounds.get(key, 0) + 1
+        self.throughput[key] = [tokens, seconds, 1] if old is None else [
+            (1 - e) * old[0] + e * tokens, (1 - e) * old[1] + e * seconds, old[2] + 1]
+
+    def _throughput_rounds(self, bucket: int, speculative: bool) -> int:
+        return int(self.throughput.get((bucket, speculative), (0, 0, 0))[2])
 
     def measured_speedup(self, batch: int) -> float | None:
         """Speculative rounds' tokens/s over plain rounds' at this bucket; None until both are measured."""
         b = self.bucket(batch)
-        if min(self.throughput_rounds.get((b, s), 0) for s in (True, False)) < self.throughput_min_rounds:
+        if min(self._throughput_rounds(b, s) for s in (True, False)) < self.throughput_min_rounds:
             return None
-        (ts, ss), (tp, sp) = self.throughput[(b, True)], self.throughput[(b, False)]
+        (ts, ss, _), (tp, sp, _) = self.throughput[(b, True)], self.throughput[(b, False)]
         return (ts / ss) / (tp / sp) if tp > 0 else None
 
     def measured_speedups(self) -> dict[int, float]:
@@ -137,7 +138,7 @@ class CostModel:
         """True when t(B, 0) is unknown or stale: the next round should be plain to measure it."""
         b = self.bucket(batch)
         seen = self.plain_seen.get(b)
-        if self.throughput_rounds.get((b, False), 0) < self.throughput_min_rounds:
+        if self._throughput_rounds(b, False) < self.throughput_min_rounds:
             return True  # the safeguard needs plain rounds' tokens/s to compare with
         return seen is None or self.rounds - seen >= self.recalibrate_every
 
