@@ -71,29 +71,40 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar):
     return {"tps": tokens / wall, "ttft": statistics.median(ttft), "itl": statistics.median(itl)}
 
 
-def engine_baseline(target, dtype, max_tokens, proposer="ngram", draft=None, n_prompts=4) -> float:
-    """In-process engine tokens/s at batch 1 (adaptive, the service's proposer; None: plain), same
-    prompts, same threads as a replica (all cores)."""
+def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int) -> dict:
+    """Greedy chat on QUESTIONS[:n_prompts] in process, `batch` at a time (after a short warm-up):
+    tokens/s, and target forward ms and round ms per round."""
     from specdec.engine import EngineConfig, LLMEngine
-    from specdec.loader import load_model, load_tokenizer, parse_dtype
     from specdec.prompts import encode_chat
-    from specdec.proposers import build_proposer
     from specdec.sampling import SamplingParams
-    from specdec.target import TargetWorker
-    tok = load_tokenizer(target)
-    model = load_model(target, dtype=parse_dtype(dtype))
-    import torch
-    torch.set_num_threads(os.cpu_count() or 1)
-    prop = None if proposer is None else build_proposer(
-        proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype), num_slots=1,
-        max_model_len=2048)
-    eng = LLMEngine(TargetWorker(model, 1, 2048), prop, tok, EngineConfig(max_batch_size=1, speculate=prop is not None))
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    eng = LLMEngine(worker, proposer, tok, EngineConfig(max_batch_size=batch, max_model_len=worker.max_model_len,
+                                                        speculate=proposer is not None))
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS[:n_prompts]]
-    eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))
+    eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
+    rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time
     t0 = time.perf_counter()
-    eng.generate(prompts, sp)
-    return n_prompts * max_tokens / (time.perf_counter() - t0)
+    eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    n = max(1, eng.stats.rounds - rounds0)
+    return {"tps": n_prompts * max_tokens / wall, "target_ms": (eng.stats.target_time - target0) / n * 1e3,
+            "round_ms": (eng.stats.round_time - round0) / n * 1e3}
+
+
+def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=4) -> tuple[float, float]:
+    """In-process tokens/s at batch 1 on the same prompts, same threads as a replica (all cores):
+    (adaptive with the service's proposer, plain)."""
+    import torch
+
+    from specdec.loader import load_model, load_tokenizer, parse_dtype
+    from specdec.proposers import build_proposer
+    from specdec.target import TargetWorker
+    torch.set_num_threads(os.cpu_count() or 1)
+    tok, model = load_tokenizer(target), load_model(target, dtype=parse_dtype(dtype))
+    prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),
+                          num_slots=1, max_model_len=2048)
+    spec = run_engine(tok, TargetWorker(model, 1, 2048), prop, 1, n_prompts, max_tokens)["tps"]
+    plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens)["tps"]
+    return spec, plain
 
 
 def start_local(args: dict, port: int = 8765) -> str:
@@ -148,8 +159,7 @@ def main(argv=None):
                      if v is not None})
     base = plain = None
     if not a.no_engine:
-        base = engine_baseline(a.target, a.dtype, a.max_tokens, app.proposer, app.draft)
-        plain = engine_baseline(a.target, a.dtype, a.max_tokens, None)
+        base, plain = engine_baselines(a.target, a.dtype, a.max_tokens, app.proposer, app.draft)
     print(f"\n{a.model} via {url} (proposer {app.proposer}), greedy streaming chat, {a.max_tokens} tokens, {a.dtype}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
           "round ms (draft / target / other) | spec/off |")

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 
 import httpx
 from tqdm import tqdm
@@ -36,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from http_bench import QUESTIONS, level, start_local  # noqa: E402
+from http_bench import level, run_engine, start_local  # noqa: E402
 
 FIELDS = ("rounds", "rows", "tokens", "plan_s", "draft_call_s", "draft_compute_s", "draft_to_s", "draft_back_s",
           "target_call_s", "target_compute_s", "target_to_s", "target_back_s", "commit_s", "round_s")
@@ -57,29 +56,15 @@ def in_process(target: str, dtype: str, batch: int, max_tokens: int, threads: in
     the target replica's own cache shape (slots, max_model_len) and feature output."""
     import torch
 
-    from specdec.engine import EngineConfig, LLMEngine
-    from specdec.loader import load_model, load_tokenizer, parse_dtype
-    from specdec.prompts import encode_chat
-    from specdec.sampling import SamplingParams
-    from specdec.target import TargetWorker
     from serve_app.args import AppArgs
+    from specdec.loader import load_model, load_tokenizer, parse_dtype
+    from specdec.target import TargetWorker
     torch.set_num_threads(threads)
     app = AppArgs(target=target, dtype=dtype)
     app.validate_models()
-    tok = load_tokenizer(target)
-    model = load_model(target, dtype=parse_dtype(dtype))
+    tok, model = load_tokenizer(target), load_model(target, dtype=parse_dtype(dtype))
     worker = TargetWorker(model, app.target_slots, app.max_model_len, return_hidden=app.uses_features)
-    eng = LLMEngine(worker, None, tok, EngineConfig(max_batch_size=batch, max_model_len=1024, speculate=False))
-    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS[:batch]]
-    eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
-    rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time
-    t0 = time.perf_counter()
-    eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    wall = time.perf_counter() - t0
-    n = eng.stats.rounds - rounds0
-    return {"target_ms": (eng.stats.target_time - target0) / n * 1e3,
-            "round_ms": (eng.stats.round_time - round0) / n * 1e3,
-            "tps": batch * max_tokens / wall}
+    return run_engine(tok, worker, None, batch, batch, max_tokens)
 
 
 def main(argv=None):
