@@ -3,19 +3,26 @@
 A sequence's KV cache lives in one replica, so the router pins each batch ("lane") to the
 replicas that hold its caches by passing `pin=<replica id>` with every call. This request router
 sends a pinned call to that replica when it is still a candidate, and otherwise (first call of a
-lane, or the replica is gone) falls back to Serve's power-of-two-choices over the replicas that
-other lanes do not use yet (`avoid=`), so lanes spread out and a replica just added by scale-out
-gets the next lane. A replica that receives sequences it
+lane, or the replica is gone) makes a power-of-two choice (two random replicas, the shorter queue
+wins) among the replicas that other lanes do not use yet (`avoid=`), so lanes spread out and a
+replica just added by scale-out gets the next lane. A replica that receives sequences it
 does not hold reports them unknown and the router resends their context (re-prefill), so replica
 loss costs a prefill, never a request.
+
+Why not extend Serve's PowerOfTwoChoicesRequestRouter: its choice ignores the candidates it is
+given (so `avoid` would do nothing), and it fulfils requests in FIFO order: the replica one
+routing task found goes to the oldest waiting request, whatever that request asked for, which
+swaps lanes whose rounds are in flight together (the first one's replica slower to answer its
+queue-length probe). Here each replica goes to the request it was chosen for.
 """
 from __future__ import annotations
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+import random
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
-class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
+class AffinityRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
@@ -26,7 +33,21 @@ class AffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
                     return [[r]]
         avoid = set(kwargs.get("avoid") or ())
         fresh = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
-        return await super().choose_replicas(fresh or candidate_replicas, pending_request)
+        pool = fresh or candidate_replicas
+        return [random.sample(pool, min(2, len(pool)))]  # the router takes the shorter queue of these
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """Give `replica` to the request it was chosen for (the routing task passes that request's
+        own metadata object), never to another one that happens to wait longer."""
+        pr = next((p for p in self._pending_requests_to_fulfill
+                   if p.metadata is request_metadata and not p.future.done()), None)
+        if pr is None:  # already routed or cancelled: the routing task moves on
+            return
+        self._cancel_routing_task_for_pending_request(pr)
+        self._record_queue_wait_time(pr)
+        pr.future.set_result(replica)
+        self._remove_pending_request_from_indices(pr)
+        self._pending_requests_to_fulfill.remove(pr)
 
 
 REQUEST_ROUTER_PATH = f"{__name__}:AffinityRequestRouter"

@@ -1,0 +1,57 @@
+"""The affinity request router sends each pinned call to its own replica, also when calls race."""
+from __future__ import annotations
+
+import asyncio
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
+
+from deployments.affinity import AffinityRequestRouter
+
+
+class FakeReplica:
+    """What the request router reads of a replica; `delay_s` slows its queue-length probe."""
+
+    def __init__(self, name: str, delay_s: float):
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="target", app_name="app"))
+        self.delay_s = delay_s
+        self.max_ongoing_requests = 8
+        self.node_id, self.availability_zone, self.multiplexed_model_ids = "node", None, set()
+        self.is_cross_language, self.routing_stats = False, {}
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.delay_s)
+        return 0
+
+
+def _pending(i: int, pin: str | None, avoid: list[str]) -> PendingRequest:
+    meta = RequestMetadata(request_id=f"r{i}", internal_request_id=f"i{i}", call_method="verify")
+    return PendingRequest(args=[], kwargs={"pin": pin, "avoid": avoid}, metadata=meta)
+
+
+async def _route(delays: dict[str, float], pins: list[str | None], avoid: list[str] = ()) -> list[str]:
+    """Route one call per pin concurrently over fake replicas; the replica each call got."""
+    router = AffinityRequestRouter(deployment_id=DeploymentID(name="target", app_name="app"),
+                                   handle_source=DeploymentHandleSource.REPLICA)
+    router.update_replicas([FakeReplica(n, d) for n, d in delays.items()])
+    chosen = await asyncio.gather(*(router._choose_replica_for_request(_pending(i, p, list(avoid)))
+                                    for i, p in enumerate(pins)))
+    return [r.replica_id.unique_id for r in chosen]
+
+
+def test_racing_pinned_calls_each_reach_their_own_replica():
+    # the first call's replica answers its probe last: Serve's FIFO fulfilment would hand the
+    # replica found for the second call to the first (a lane then lands on a replica without its KV)
+    for pins in (["slow", "fast"], ["fast", "slow"], ["slow", "fast", "slow", "fast"]):
+        assert asyncio.run(_route({"slow": 0.05, "fast": 0.0}, pins)) == pins
+
+
+def test_unpinned_calls_avoid_replicas_other_lanes_use():
+    for _ in range(5):
+        assert asyncio.run(_route({"a": 0.0, "b": 0.0, "c": 0.0}, [None], avoid=["a", "b"])) == ["c"]
+    # every replica in use: any will do
+    assert asyncio.run(_route({"a": 0.0, "b": 0.0}, [None], avoid=["a", "b"]))[0] in {"a", "b"}
+
+
+def test_pin_of_a_gone_replica_falls_back_to_a_live_one():
+    assert asyncio.run(_route({"a": 0.0, "b": 0.0}, ["dead"], avoid=["a"])) == ["b"]
