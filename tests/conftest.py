@@ -9,6 +9,16 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models are overhead-bound: one thread is faster, and much faster on a busy machine."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from specdec.testing import make_tiny_checkpoint

@@ -20,12 +20,8 @@ COMMON = ["--layers", "1", "--init-from-target", "--draft-vocab", str(VOCAB), "-
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one thread is faster, and much faster on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_here(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def distill(target, out, *extra):

@@ -41,9 +41,11 @@ def read_answers(path: Path) -> list[dict]:
 
 
 def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], path: Path, batch: int = 16,
-                     max_new: int = 128, minutes: float | None = None, max_answers: int | None = None) -> int:
-    """Append greedy answers for prompts not yet in `path`; stops at the time or count budget.
-    Returns the number of answers in the file."""
+                     max_new: int = 128, minutes: float | None = None, max_answers: int | None = None,
+                     temperatures: list[float] | None = None, desc: str = "target answers") -> int:
+    """Append answers for prompts not yet in `path` (greedy, or at `temperatures[i]` with a seed
+    derived from i, so a resumed run writes what an uninterrupted one would); stops at the time
+    or count budget. Returns the number of answers in the file."""
     from tqdm import tqdm
 
     path = Path(path)
@@ -55,18 +57,19 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
     worker = TargetWorker(model, batch, max_len)
     engine = LLMEngine(worker, None, tokenizer, EngineConfig(max_batch_size=batch, max_model_len=max_len,
                                                              speculate=False))
-    params = SamplingParams(max_tokens=max_new, temperature=0.0)
+    temps = temperatures or [0.0] * len(prompts)
     t0, n = time.perf_counter(), len(done)
-    bar = tqdm(total=len(todo), desc="target answers", unit="answer", dynamic_ncols=True)
+    bar = tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True)
     chunk = 4 * batch
     with path.open("a") as f:
         for c in range(0, len(todo), chunk):
             if minutes is not None and time.perf_counter() - t0 > 60 * minutes:
                 break
             ids = todo[c: c + chunk]
+            params = [SamplingParams(max_tokens=max_new, temperature=temps[i], seed=i) for i in ids]
             seqs = engine.generate([prompts[i][1] for i in ids], params)
             for i, s in zip(ids, seqs):
-                f.write(json.dumps({"i": i, "kind": prompts[i][0], "prompt": prompts[i][1],
+                f.write(json.dumps({"i": i, "kind": prompts[i][0], "prompt": prompts[i][1], "temperature": temps[i],
                                     "output": list(s.output_ids)}) + "\n")
             f.flush()
             n += len(ids)

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--corpus-limit", type=int, default=0, help="use at most this many pieces per split (0 = all)")
     t.add_argument("--heldout-pct", type=int, default=10)
+    t.add_argument("--heldout-chat-pct", type=int, default=15,
+                   help="everyday-chat topics held out for evaluation (specdec.distill.chat)")
     o = p.add_argument_group("output and evaluation")
     o.add_argument("--save-dtype", default="bfloat16")
     o.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (half chat, half code); 0 = skip")
@@ -101,7 +103,7 @@ def run_eval(draft_dir: Path, target_spec: str, args, corpus: Corpus | None = No
     dtype = parse_dtype(args.eval_dtype)
     tokenizer = tokenizer or load_tokenizer(target_spec)
     corpus = corpus or Corpus.build(args.heldout_pct, args.corpus_limit, args.seed)
-    prompts = heldout_prompts(corpus, tokenizer, args.eval_prompts)
+    prompts = heldout_prompts(corpus, tokenizer, args.eval_prompts, args.heldout_chat_pct)
     target = load_model(target_spec, dtype=dtype)
     if is_eagle(draft_dir):
         draft = load_eagle(draft_dir, target, dtype)

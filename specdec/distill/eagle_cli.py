@@ -3,7 +3,8 @@
     specdec-distill --arch eagle --target smollm2 --out drafts/smollm2-eagle \\
         --answers 2000 --text-tokens 400000 --draft-vocab 8192 --minutes 45
 
-1. the target's greedy answers to training chat prompts and code prefixes (resumable jsonl);
+1. the target's greedy answers to training chat prompts and code prefixes (resumable jsonl), and
+   with --chat-answers its greedy and sampled answers to everyday chat (specdec.distill.chat);
 2. teacher features: one bf16 prefill over those answers and packed plain text (resumable);
 3. the draft vocabulary from the target's greedy predictions in that pass;
 4. training (resumable with --resume); 5. export (fc + layer, bf16) and held-out evaluation.
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import torch
 
+from specdec.distill import chat
 from specdec.distill.answers import generate_answers, read_answers, training_prompts
 from specdec.distill.data import Corpus, TextMix
 from specdec.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
 from specdec.distill.teacher import special_ids
 from specdec.eagle import EagleDraft
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
+from specdec.prompts import encode_chat
 
 
 def add_arguments(p) -> None:
@@ -38,6 +41,13 @@ def add_arguments(p) -> None:
     g.add_argument("--train-steps", type=int, default=2, choices=[1, 2],
                    help="draft steps trained: 2 adds a pass on the draft's own predicted features")
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
+    c = p.add_argument_group("everyday chat data (specdec.distill.chat)")
+    c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
+    c.add_argument("--chat-minutes", type=float, help="stop generating chat answers after this long")
+    c.add_argument("--questions-per-topic", type=int, default=6, help="self-instruct questions per topic")
+    c.add_argument("--sampled-frac", type=float, default=0.5,
+                   help="share of chat answers sampled (half at temperature 0.7, half at 1.0), the rest greedy")
+    c.add_argument("--follow-up-frac", type=float, default=0.2, help="chat answers continued by a second turn")
 
 
 def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> list[tuple[str, list[int]]]:
@@ -46,6 +56,39 @@ def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> l
     rng = random.Random(args.seed)
     rows += [("text", text.next_row(rng)) for _ in range(args.text_tokens // args.seq_len)]
     return rows
+
+
+def _temperatures(n: int, sampled_frac: float) -> list[float]:
+    """Greedy for the first (1 - sampled_frac) of every 20 answers, then 0.7 and 1.0 alternating."""
+    sampled = round(20 * sampled_frac)
+    return [0.0 if i % 20 < 20 - sampled else (0.7, 1.0)[i % 2] for i in range(n)]
+
+
+def chat_rows(args, target, tok, work: Path) -> list[dict]:
+    """Answers to everyday-chat prompts of the training topics (seed tasks, self-instruct
+    questions, then second turns), resumable in `work`; returns their answer records."""
+    train_topics, _ = chat.split_topics(args.heldout_chat_pct)
+    items = chat.seed_prompts(train_topics, args.seed)
+    items += chat.self_instruct(target, tok, train_topics, args.questions_per_topic, work / "questions.jsonl",
+                                args.gen_batch, args.seed)
+    random.Random(args.seed).shuffle(items)
+    items = items[: args.chat_answers]
+    n_follow = int(args.follow_up_frac * len(items))
+    first = items[: len(items) - n_follow]
+    prompts = [(it.kind, encode_chat(tok, list(it.messages))) for it in first]
+    generate_answers(target, tok, prompts, work / "chat_answers.jsonl", args.gen_batch, args.gen_tokens,
+                     args.chat_minutes, temperatures=_temperatures(len(prompts), args.sampled_frac),
+                     desc="chat answers")
+    done = {r["i"]: r for r in read_answers(work / "chat_answers.jsonl")}
+    base = [i for i in range(len(first)) if i in done and done[i]["temperature"] == 0.0][:n_follow]
+    seconds = chat.follow_ups([first[i] for i in base],
+                              [tok.decode(done[i]["output"], skip_special_tokens=True) for i in base], args.seed)
+    prompts2 = [(it.kind, encode_chat(tok, list(it.messages))) for it in seconds]
+    if prompts2 and len(done) == len(first):  # second turns once every first turn is answered
+        generate_answers(target, tok, prompts2, work / "chat_follow_ups.jsonl", args.gen_batch, args.gen_tokens,
+                         args.chat_minutes, temperatures=_temperatures(len(prompts2), args.sampled_frac),
+                         desc="follow-up answers")
+    return list(done.values()) + read_answers(work / "chat_follow_ups.jsonl")
 
 
 def run(args, argv: list[str]) -> dict:
@@ -68,6 +111,10 @@ def run(args, argv: list[str]) -> dict:
     answers = read_answers(work / "answers.jsonl")[: args.answers]
     print(f"target answers: {len(answers)} of {n} generated ({sum(len(r['output']) for r in answers)} tokens)",
           flush=True)
+    if args.chat_answers:
+        talk = chat_rows(args, target, tok, work)
+        print(f"everyday chat answers: {len(talk)} ({sum(len(r['output']) for r in talk)} tokens)", flush=True)
+        answers += [{**r, "i": len(answers) + j} for j, r in enumerate(talk)]
     rows = training_rows(args, corpus, tok, eos, answers)
     cache = FeatureCache.build(target, rows, path=work / "features.pt")
     print(f"teacher features: {len(cache.tokens)} rows, {cache.num_tokens} tokens", flush=True)
@@ -118,11 +165,14 @@ def write_model_card(out: Path, extra: dict) -> Path:
         f"cost ratio c = {m.get('cost_ratio')} (draft step {m.get('draft_ms')} ms vs target step "
         f"{m.get('target_ms')} ms, batch 1, {m.get('eval_dtype')}); head coverage of the target's tokens "
         f"{m.get('vocab_coverage')}; prompts {m.get('eval_prompts')}, {m.get('eval_max_tokens')} new tokens.", "",
-        "| k | acceptance (all) | chat | code | mean accepted length | est. speedup L/(1+kc) | per position |",
-        "|---|---|---|---|---|---|---|"]
+        "*chat*: questions about held-out standard-library code; *code*: held-out code prefixes; *generic*:",
+        "everyday chat about held-out topics (specdec.distill.chat).", "",
+        "| k | acceptance (all) | chat | code | generic | mean accepted length | est. speedup L/(1+kc) | per position |",
+        "|---|---|---|---|---|---|---|---|"]
     for k, r in sorted(acc.get("all", {}).items()):
         lines.append(f"| {k} | {r['acceptance_rate']} | {acc.get('chat', {}).get(k, {}).get('acceptance_rate')} | "
-                     f"{acc.get('code', {}).get(k, {}).get('acceptance_rate')} | {r['mean_accepted_length']} | "
+                     f"{acc.get('code', {}).get(k, {}).get('acceptance_rate')} | "
+                     f"{acc.get('generic', {}).get(k, {}).get('acceptance_rate')} | {r['mean_accepted_length']} | "
                      f"{r['est_speedup']} | {r['per_position']} |")
     path = out / "README.md"
     path.write_text("\n".join(lines) + "\n")

@@ -18,24 +18,31 @@ import time
 
 import torch
 
+from specdec.distill.chat import seed_prompts
+from specdec.distill.chat import split_topics as generic_split
 from specdec.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
 from specdec.eagle import EagleDraft
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
+from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
 KS = (1, 2, 3, 4)
 
 
-def heldout_prompts(corpus: Corpus, tokenizer, n: int, max_prompt_tokens: int = 384) -> dict[str, list[list[int]]]:
-    """n held-out prompts, half chat (through the chat template) and half raw code prefixes."""
+def heldout_prompts(corpus: Corpus, tokenizer, n: int, generic_pct: int = 15,
+                    max_prompt_tokens: int = 384) -> dict[str, list[list[int]]]:
+    """n held-out prompts, half chat about the standard library (through the chat template) and
+    half raw code prefixes, plus n everyday-chat prompts about held-out topics ("generic")."""
     chat = [p for p in chat_ids(tokenizer, chat_prompts(corpus.heldout)[: 4 * n]) if len(p) <= max_prompt_tokens]
     code = [tokenizer(c, add_special_tokens=False).input_ids for c in code_prompts(corpus.heldout)[: 4 * n]]
     code = [p for p in code if 0 < len(p) <= max_prompt_tokens]
     n_chat = (n + 1) // 2
-    return {"chat": chat[:n_chat], "code": code[: n - n_chat]}
+    _, topics = generic_split(generic_pct)
+    generic = [encode_chat(tokenizer, list(it.messages)) for it in seed_prompts(topics, seed=1)][:n]
+    return {"chat": chat[:n_chat], "code": code[: n - n_chat], "generic": generic}
 
 
 def acceptance(target, draft, token_map, tokenizer, prompts: list[list[int]], k: int, max_tokens: int = 64,

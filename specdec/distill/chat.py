@@ -1,0 +1,227 @@
+"""Everyday-chat training prompts: what users ask about, not what the standard library documents.
+
+No dataset can be downloaded here, so the prompts are made: a broad seed list of topics in many
+domains, crossed with task kinds (explain, advise, list, compare, write, rewrite, summarize,
+explain to a child, ...), plus generated ones: math word problems, translation requests, code in
+several languages, and questions the target itself writes about each topic (self-instruct, Wang
+et al. 2023: the target is asked for user questions at temperature 0.8, with three example
+questions; answers are deduplicated and filtered). The held-out split is by *topic*: `crc32(topic) % 100 < heldout_pct` goes to
+evaluation and training never sees a prompt about it.
+
+Answers are the target's own (sequence-level distillation, specdec.distill.answers), greedy and
+sampled, so that the draft learns the target's distribution and not only its argmax.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+TOPICS: dict[str, list[str]] = {
+    "everyday life": ["morning routines", "keeping a tidy home", "doing laundry", "saving energy at home",
+                      "moving to a new city", "making friends as an adult", "planning a birthday party",
+                      "choosing a gift", "dealing with noisy neighbours", "time management"],
+    "food and cooking": ["baking bread", "cooking rice", "vegetarian meals", "meal planning on a budget",
+                         "making soup", "knife skills", "fermenting vegetables", "brewing coffee",
+                         "spices in Indian cooking", "food safety in the kitchen"],
+    "health and fitness": ["running for beginners", "stretching", "drinking enough water", "stress",
+                           "healthy breakfasts", "strength training", "posture at a desk", "the common cold",
+                           "meditation", "walking every day"],
+    "travel": ["packing light", "travelling by train in Europe", "jet lag", "visiting Japan",
+               "camping", "road trips", "travel insurance", "learning phrases before a trip",
+               "travelling with children", "budget travel"],
+    "science": ["photosynthesis", "black holes", "the water cycle", "plate tectonics", "DNA",
+                "the speed of light", "volcanoes", "magnetism", "the immune system", "evolution",
+                "climate change", "rainbows", "the moon's phases", "electricity", "atoms"],
+    "history": ["the Roman Empire", "the printing press", "the Industrial Revolution", "ancient Egypt",
+                "the French Revolution", "the Silk Road", "the first moon landing", "the Renaissance",
+                "the invention of the telephone", "medieval castles"],
+    "geography and nature": ["rainforests", "deserts", "the Amazon river", "coral reefs", "mountains",
+                             "the Arctic", "bees", "whales", "migrating birds", "trees in winter"],
+    "language and writing": ["writing a cover letter", "writing a thank-you note", "improving vocabulary",
+                             "common grammar mistakes", "writing a short story", "giving a speech",
+                             "writing clear emails", "learning Spanish", "poetry", "keeping a journal"],
+    "work and money": ["asking for a raise", "budgeting", "saving for retirement", "working from home",
+                       "job interviews", "starting a small business", "negotiating", "credit scores",
+                       "running a meeting", "giving feedback to a colleague"],
+    "technology": ["how the internet works", "password security", "smartphone batteries",
+                   "cloud storage", "artificial intelligence", "backing up files", "Wi-Fi problems",
+                   "how GPS works", "electric cars", "3D printing"],
+    "arts and culture": ["learning to draw", "jazz", "classical music", "photography", "film history",
+                         "reading more books", "learning the piano", "museums", "theatre", "knitting"],
+    "family and relationships": ["talking to teenagers", "bedtime routines for children", "pets and children",
+                                 "long-distance friendships", "apologizing", "caring for elderly parents",
+                                 "sibling rivalry", "wedding planning", "resolving arguments", "adopting a dog"],
+    "hobbies and sports": ["gardening", "growing tomatoes", "chess", "football rules", "swimming",
+                           "cycling", "bird watching", "board games", "fishing", "yoga"],
+    "math and logic": ["fractions", "percentages", "probability", "prime numbers", "geometry of circles",
+                       "mental arithmetic", "compound interest", "averages", "logic puzzles", "algebra basics"],
+    "programming": ["recursion", "version control with git", "SQL joins", "unit testing",
+                    "regular expressions", "object-oriented programming", "JavaScript promises",
+                    "sorting algorithms", "REST APIs", "debugging"],
+}
+
+TASKS = [
+    "Explain {t} in simple terms.", "What are the most important things to know about {t}?",
+    "Give me three practical tips about {t}.", "Explain {t} to a ten-year-old.",
+    "What are common mistakes people make with {t}?", "Write a short paragraph about {t}.",
+    "List five interesting facts about {t}.", "Summarize the main ideas of {t} in a few sentences.",
+    "What is a common misconception about {t}?", "Write a short poem about {t}.",
+    "How would you get started with {t}?", "What are the pros and cons of {t}?",
+    "Write a short story for children that involves {t}.", "Why does {t} matter?",
+    "Write a friendly message to a friend recommending {t}.", "Give me a step-by-step guide to {t}.",
+]
+
+REWRITES = ["Rewrite this sentence to sound more formal: {s}", "Make this sentence shorter: {s}",
+            "Fix the grammar in this sentence: {s}", "Rewrite this in a cheerful tone: {s}",
+            "Translate into French: {s}", "Translate into Spanish: {s}", "Translate into German: {s}"]
+SENTENCES = ["i cant come to the meeting tomorrow because i am sick", "The weather was bad so we stayed home.",
+             "Please send me the report by Friday.", "We had a great time at the beach last weekend.",
+             "The train was late again this morning.", "Thank you for helping me move last week.",
+             "Our team finished the project two days early.", "He forgot his keys and had to wait outside.",
+             "The new cafe downtown makes excellent pastries.", "I would like to book a table for four."]
+
+LANGUAGES = ["Python", "JavaScript", "Java", "C", "Go", "Rust", "SQL", "Bash"]
+CODE_TASKS = ["reverses a string", "checks whether a number is prime", "counts the words in a text",
+              "finds the largest number in a list", "computes the factorial of n", "removes duplicates from a list",
+              "converts Celsius to Fahrenheit", "checks whether a word is a palindrome",
+              "sums the even numbers in a list", "merges two sorted lists"]
+
+FOLLOW_UPS = ["Can you make that shorter?", "Can you give me an example?", "Why is that?",
+              "Can you explain that more simply?", "What else should I know?", "Thanks! Can you summarize it in one sentence?"]
+
+INSTRUCT = ("Here are questions people asked about other topics:\n- How do I keep basil alive indoors?\n"
+            "- Why do onions make you cry?\n- What is the best way to learn to swim as an adult?\n"
+            "Write one similar question about {t}. Reply with the question only.")
+PREFILL = 'Here is a question someone might ask about {t}: "'  # the answer's start: the question follows
+_NOT_A_USER = re.compile(r"\b(assistant|AI|SmolLM|curious person|question|questions|I'm ready|help you)\b", re.I)
+
+
+@dataclass(frozen=True)
+class ChatItem:
+    """One training or evaluation conversation: `messages` ends with the user turn to answer."""
+    topic: str  # the split key
+    kind: str  # "task" | "rewrite" | "math" | "code" | "self-instruct" | "follow-up"
+    messages: tuple[dict, ...]
+
+
+def all_topics() -> list[str]:
+    return [t for ts in TOPICS.values() for t in ts]
+
+
+def is_heldout_topic(topic: str, pct: int = 15) -> bool:
+    return zlib.crc32(topic.encode()) % 100 < pct
+
+
+def _user(topic: str, kind: str, text: str) -> ChatItem:
+    return ChatItem(topic, kind, ({"role": "user", "content": text},))
+
+
+def _math(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 40), rng.randint(2, 12), rng.randint(2, 9)
+    item, person = rng.choice(["apples", "books", "stickers", "marbles", "cookies"]), rng.choice(
+        ["Sam", "Maria", "Ken", "Aisha", "Leo"])
+    return rng.choice([
+        f"{person} has {a} {item} and buys {b} packs with {c} {item} each. How many {item} does {person} have now?",
+        f"A train travels at {a + 30} km per hour for {b} hours. How far does it go?",
+        f"A shirt costs ${a + 10} and is {c * 5}% off. What is the sale price?",
+        f"{person} reads {b} pages a day. How many days to finish a book of {a * 10} pages?",
+        f"There are {a} students and each table seats {c}. How many tables are needed?"])
+
+
+def seed_prompts(topics: list[str], seed: int = 0) -> list[ChatItem]:
+    """Topic x task prompts plus rewrites, math word problems and code requests (deterministic)."""
+    rng = random.Random(seed)
+    out = []
+    for t in topics:
+        for task in rng.sample(TASKS, 10):
+            out.append(_user(t, "task", task.format(t=t)))
+        if t in TOPICS.get("math and logic", ()):
+            out += [_user(t, "math", _math(rng)) for _ in range(4)]
+        if t in TOPICS.get("programming", ()):
+            out += [_user(t, "code", f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_TASKS)}.")
+                    for _ in range(3)]
+            out.append(_user(t, "code", f"Explain {t} with a short {rng.choice(LANGUAGES)} example."))
+        for _ in range(1):
+            out.append(_user(t, "rewrite", rng.choice(REWRITES).format(s=rng.choice(SENTENCES))))
+    rng.shuffle(out)
+    return out
+
+
+def _stems(text: str) -> set[str]:
+    return {w[:4] for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 3}
+
+
+def clean_question(text: str, topic: str) -> str | None:
+    """The generated question if it reads as one user question about `topic` (one line, 4-40
+    words, ending in '?', sharing a word with the topic, not talking about the assistant), else None."""
+    line = text.split('"')[0] if '"' in text else text  # after PREFILL the question ends at the quote
+    line = line.strip().split("\n")[0].strip().lstrip("-*• ").strip()
+    line = re.sub(r"^.{0,40}\bask(s|ed)?\b\s*[:,]\s*", "", line, flags=re.I)  # "A person might ask: ..."
+    q = line.strip().strip("\"'“”").strip()
+    if not q.endswith("?") or not 4 <= len(q.split()) <= 40 or _NOT_A_USER.search(q):
+        return None
+    return q if _stems(q) & _stems(topic) else None
+
+
+def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Path, batch: int = 24,
+                  seed: int = 0) -> list[ChatItem]:
+    """Questions the target writes about each topic (sampled at T=0.8, deduplicated, filtered),
+    cached in `path` (jsonl: {"topic", "text"}); topics already in the cache are not asked again."""
+    from tqdm import tqdm
+
+    from specdec.engine import EngineConfig, LLMEngine
+    from specdec.prompts import encode_chat
+    from specdec.sampling import SamplingParams
+    from specdec.target import TargetWorker
+
+    path = Path(path)
+    cached = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    done = {r["topic"] for r in cached}
+    todo = [t for t in topics if t not in done]
+    if todo:
+        prompt = {t: encode_chat(tokenizer, [{"role": "user", "content": INSTRUCT.format(t=t)}])
+                  + tokenizer(PREFILL.format(t=t), add_special_tokens=False).input_ids for t in todo}
+        max_len = max(len(p) for p in prompt.values()) + 64
+        worker = TargetWorker(model, batch, max_len)
+        engine = LLMEngine(worker, None, tokenizer, EngineConfig(max_batch_size=batch, max_model_len=max_len,
+                                                                 speculate=False))
+        tries = 2 * per_topic
+        bar = tqdm(total=len(todo), desc="self-instruct", unit="topic", dynamic_ncols=True)
+        with path.open("a") as f:
+            for c in range(0, len(todo), max(1, batch // tries)):
+                chunk = todo[c: c + max(1, batch // tries)]
+                jobs = [(t, j) for t in chunk for j in range(tries)]
+                params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95,
+                                         seed=seed * 100_003 + zlib.crc32(t.encode()) + j) for t, j in jobs]
+                seqs = engine.generate([prompt[t] for t, _ in jobs], params)
+                kept: dict[str, list[str]] = {t: [] for t in chunk}
+                for (t, _), s in zip(jobs, seqs):
+                    q = clean_question(tokenizer.decode(s.output_ids, skip_special_tokens=True), t)
+                    if q and q.lower() not in {x.lower() for x in kept[t]} and len(kept[t]) < per_topic:
+                        kept[t].append(q)
+                for t in chunk:  # a topic with no usable question is still recorded as asked
+                    rows = [{"topic": t, "text": q} for q in kept[t]] or [{"topic": t, "text": None}]
+                    f.write("".join(json.dumps(r) + "\n" for r in rows))
+                    cached += rows
+                f.flush()
+                bar.update(len(chunk))
+        bar.close()
+    return [_user(r["topic"], "self-instruct", r["text"]) for r in cached if r["text"] and r["topic"] in topics]
+
+
+def follow_ups(items: list[ChatItem], answers: list[str], seed: int = 0) -> list[ChatItem]:
+    """Second turns: each conversation with its answer and a follow-up question appended."""
+    rng = random.Random(seed)
+    return [ChatItem(it.topic, "follow-up", it.messages + ({"role": "assistant", "content": a},
+                                                           {"role": "user", "content": rng.choice(FOLLOW_UPS)}))
+            for it, a in zip(items, answers) if a.strip()]
+
+
+def split_topics(heldout_pct: int = 15) -> tuple[list[str], list[str]]:
+    """(training topics, held-out topics)."""
+    ts = all_topics()
+    return [t for t in ts if not is_heldout_topic(t, heldout_pct)], [t for t in ts if is_heldout_topic(t, heldout_pct)]

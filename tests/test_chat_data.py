@@ -1,0 +1,73 @@
+"""Everyday-chat distillation data (specdec.distill.chat): the topic split, the prompts, the
+question filter, and the answers pipeline (greedy + sampled, second turns, resumable)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.distill import chat, main
+from specdec.distill.eagle_cli import _temperatures
+
+
+def test_topic_split_is_disjoint_and_covers_every_domain_kind():
+    train, held = chat.split_topics(15)
+    assert set(train).isdisjoint(held) and sorted(train + held) == sorted(chat.all_topics())
+    assert 0.08 < len(held) / len(chat.all_topics()) < 0.25
+    items = chat.seed_prompts(train)
+    assert items == chat.seed_prompts(train)  # deterministic
+    assert {it.kind for it in items} == {"task", "rewrite", "math", "code"}
+    assert {it.topic for it in items} == set(train)
+    held_words = [t for t in held if len(t) > 12]  # no training prompt is about a held-out topic
+    assert not [it for it in items for t in held_words if t in it.messages[0]["content"]]
+
+
+@pytest.mark.parametrize("text, topic, want", [
+    ('What is the best way to bake bread?" and more', "baking bread", "What is the best way to bake bread?"),
+    ("A curious person might ask: Why do bees dance?", "bees", "Why do bees dance?"),
+    ("Why do onions make you cry?", "bees", None),  # not about the topic
+    ("Can you help me as an AI assistant with chess?", "chess", None),  # about the assistant
+    ("Chess is fun.", "chess", None),  # not a question
+    ("Chess?", "chess", None),  # too short
+])
+def test_clean_question(text, topic, want):
+    assert chat.clean_question(text, topic) == want
+
+
+def test_temperatures_and_follow_ups():
+    t = _temperatures(40, 0.5)
+    assert t.count(0.0) == 20 and t.count(0.7) == 10 and t.count(1.0) == 10
+    assert _temperatures(7, 0.0) == [0.0] * 7
+    items = chat.seed_prompts(["chess", "bees"])[:3]
+    two = chat.follow_ups(items, ["An answer.", "", "Another."])
+    assert len(two) == 2 and all(it.kind == "follow-up" for it in two)
+    assert [m["role"] for m in two[0].messages] == ["user", "assistant", "user"]
+    assert two[0].messages[:1] == items[0].messages and two[0].messages[1]["content"] == "An answer."
+
+
+def test_chat_answers_pipeline_resumes_and_mixes_temperatures(tiny_dir, tmp_path, one_thread, monkeypatch):
+    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})  # 3 train, 2 held out
+    args = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
+            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
+            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
+            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
+            "--chat-answers", "20", "--questions-per-topic", "1", "--follow-up-frac", "0.25",
+            "--heldout-chat-pct", "30"]
+    work = tmp_path / "d.work"
+    m = main([*args, "--out", str(tmp_path / "d")])
+    first = [json.loads(x) for x in (work / "chat_answers.jsonl").read_text().splitlines()]
+    second = [json.loads(x) for x in (work / "chat_follow_ups.jsonl").read_text().splitlines()]
+    assert len(first) == 15 and len(second) == 5 and m["data"]["answers"] == 2 + 20
+    assert {r["temperature"] for r in first} == {0.0, 0.7, 1.0}
+    assert all(r["output"] for r in first + second)
+    assert {json.loads(x)["topic"] for x in (work / "questions.jsonl").read_text().splitlines()} <= set(
+        chat.split_topics(30)[0])
+    # a rerun finds everything cached; regenerating from scratch writes the same answers (seeded)
+    before = (work / "chat_answers.jsonl").read_text()
+    main([*args, "--out", str(tmp_path / "d")])
+    assert (work / "chat_answers.jsonl").read_text() == before
+    (work / "chat_answers.jsonl").unlink()
+    (work / "chat_follow_ups.jsonl").unlink()
+    (work / "features.pt").unlink()
+    main([*args, "--out", str(tmp_path / "d")])
+    assert sorted((work / "chat_answers.jsonl").read_text().splitlines()) == sorted(before.splitlines())
