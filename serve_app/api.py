@@ -17,6 +17,7 @@ import time
 from typing import AsyncIterator
 
 from opentelemetry import context as otel_context
+from openai.types import CompletionUsage
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from starlette.requests import ClientDisconnect, Request
@@ -26,9 +27,10 @@ from deployments.router import Overloaded, RequestFailed, SpecRouter
 from serve_app import constants
 from serve_app.args import ApiConfig
 from serve_app.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, SpeculativeUsage,
-                                Usage, chat_chunk, chat_response, chat_usage_chunk, completion_chunk,
+                                chat_chunk, chat_response, chat_usage_chunk, completion_chunk,
                                 completion_response, completion_usage_chunk, model_list, new_chat_completion_id,
-                                new_completion_id, now, parse_request, sse, to_sampling_params, validate_limits)
+                                new_completion_id, now, parse_request, sse, to_sampling_params, usage, validate_limits,
+                                wire)
 from specdec.prompts import encode_chat, encode_text
 from specdec.sequence import Sequence
 
@@ -126,7 +128,7 @@ class OpenAIRouter(SpecRouter):
 
     # ---- simple routes ---------------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
-        return JSONResponse(model_list([self.cfg.model_name], max_model_len=self.cfg.max_model_len).model_dump())
+        return JSONResponse(model_list([self.cfg.model_name], max_model_len=self.cfg.max_model_len))
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "lanes": len(self.lanes), "queued": len(self.queue)})
@@ -223,7 +225,7 @@ class OpenAIRouter(SpecRouter):
             reasons = [_finish(s) for s in seqs]
             build = chat_response if chat else completion_response
             body = build(model=self.cfg.model_name, texts=texts, finish_reasons=reasons, usage=usage, request_id=rid)
-            return JSONResponse(body.model_dump())
+            return JSONResponse(wire(body))
         finally:
             for s in seqs:
                 self.finish(s)
@@ -281,13 +283,13 @@ class OpenAIRouter(SpecRouter):
             for t in pending:
                 t.cancel()
 
-    def _usage(self, seqs: list[Sequence], prompts: list[list[int]], speculative: bool) -> Usage:
+    def _usage(self, seqs: list[Sequence], prompts: list[list[int]], speculative: bool) -> CompletionUsage:
         completion = sum(s.num_output for s in seqs)
         prompt = sum(len(p) for p in prompts)
         spec = SpeculativeUsage(proposed_tokens=sum(s.proposed for s in seqs),
                                 accepted_tokens=sum(s.accepted for s in seqs),
                                 rounds=sum(s.rounds for s in seqs)) if speculative else None
-        return Usage.of(prompt, completion, speculative=spec)
+        return usage(prompt, completion, speculative=spec)
 
 
 def _finish(seq: Sequence) -> str:

@@ -1,4 +1,4 @@
-"""Tests of serve_app/protocol.py: request validation, error format, engine mapping, and the
+"""Tests of serve_app/protocol/: request validation, error format, engine mapping, and the
 shapes of every response against OpenAI's official OpenAPI schemas (tests/openai_schema.py)."""
 from __future__ import annotations
 
@@ -9,13 +9,9 @@ import pytest
 from pydantic import BaseModel
 
 from serve_app import protocol as P
-from serve_app.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SpeculativeUsage,
-    Usage,
-)
+from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeUsage
+from serve_app.protocol import requests as protocol_requests
+from serve_app.protocol import responses as protocol_responses
 
 try:
     from tests import openai_schema
@@ -395,28 +391,28 @@ def test_request_properties():
 # --------------------------------------------------------------------------------------------
 
 SPEC = SpeculativeUsage(proposed_tokens=12, accepted_tokens=9, rounds=4)
-USAGE = Usage.of(5, 13, speculative=SPEC)
+USAGE = P.usage(5, 13, speculative=SPEC)
 IDS = dict(request_id="cmpl-test", model="m", created=1_700_000_000)
 
 
-def _dumps(model: BaseModel) -> list[dict]:
-    """Every way the router may serialise a response; all must be the same OpenAI shape."""
-    forms = [model.model_dump(), model.model_dump(exclude_none=True),
-             model.model_dump(mode="json"), json.loads(model.model_dump_json())]
+def _dumps(model: BaseModel | dict) -> list[dict]:
+    """Every way the router may send a response (JSON body, SSE event); all the same OpenAI shape."""
+    if isinstance(model, dict):
+        return [model]
+    forms = [P.wire(model), json.loads(P.sse(model)[len("data: "):])]
     assert all(f == forms[0] for f in forms), forms
     return forms[:1]
 
 
-def _check(model: BaseModel, schema_name: str) -> dict:
+def _check(model: BaseModel | dict, schema_name: str) -> dict:
     for obj in _dumps(model):
         openai_schema.validate(obj, schema_name)
-    return model.model_dump()
+    return _dumps(model)[0]
 
 
 def test_usage_total():
     assert USAGE.total_tokens == 18
-    assert Usage.of(1, 2).model_dump() == {"prompt_tokens": 1, "completion_tokens": 2,
-                                           "total_tokens": 3}
+    assert P.wire(P.usage(1, 2)) == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
 
 
 def test_completion_response(spec):
@@ -481,7 +477,7 @@ def test_model_list(spec):
     assert obj == {"object": "list", "data": [
         {"id": "target", "object": "model", "created": 1, "owned_by": "specdec-serve"},
         {"id": "other", "object": "model", "created": 1, "owned_by": "specdec-serve"}]}
-    with_len = P.model_list(["t"], max_model_len=2048).model_dump()
+    with_len = P.model_list(["t"], max_model_len=2048)
     assert with_len["data"][0]["max_model_len"] == 2048
     openai_schema.validate(with_len, "ListModelsResponse")
 
@@ -521,11 +517,11 @@ def test_overloaded_retry_after_header():
 
 def test_sse_framing():
     chunk = P.chat_chunk(request_id="x", model="m", created=1, content="a\nb ✓")
-    for framed, payload in [(P.sse(chunk), chunk.model_dump()),
+    for framed, payload in [(P.sse(chunk), chunk),
                             (P.sse({"error": {"message": "m"}}), {"error": {"message": "m"}})]:
         assert framed.startswith("data: ") and framed.endswith("\n\n")
         assert framed.count("\n") == 2  # one line of JSON
-        assert json.loads(framed[len("data: "):]) == payload
+        assert json.loads(framed[len("data: "):]) == (P.wire(payload) if isinstance(payload, BaseModel) else payload)
     assert P.SSE_DONE == "data: [DONE]\n\n"
 
 
@@ -534,21 +530,21 @@ def test_sse_framing():
 # --------------------------------------------------------------------------------------------
 
 def test_schema_helper_handles_openapi_nullable(spec):
-    chunk = P.chat_chunk(request_id="x", model="m", created=1, content="a").model_dump()
+    chunk = P.wire(P.chat_chunk(request_id="x", model="m", created=1, content="a"))
     chunk["usage"] = None  # `$ref` + `nullable: true` in the document
     openai_schema.validate(chunk, "CreateChatCompletionStreamResponse")
     bad = copy.deepcopy(chunk)
     bad["choices"][0]["finish_reason"] = "bogus"
     with pytest.raises(openai_schema.SchemaMismatch):
         openai_schema.validate(bad, "CreateChatCompletionStreamResponse")
-    legacy_chunk = P.completion_chunk(request_id="x", model="m", created=1, text="a").model_dump()
+    legacy_chunk = P.wire(P.completion_chunk(request_id="x", model="m", created=1, text="a"))
     with pytest.raises(openai_schema.SchemaMismatch, match="finish_reason"):
         openai_schema.validate(legacy_chunk, "CreateCompletionResponse")  # the spec's quirk
 
 
 def test_schema_helper_strips_extensions(spec):
     resp = P.chat_response(model="m", texts=["x"], finish_reasons=["stop"], usage=USAGE)
-    obj = resp.model_dump()
+    obj = P.wire(resp)
     stripped = openai_schema.strip_extension_fields(obj)
     assert "speculative" not in stripped["usage"] and "speculative" in obj["usage"]
     openai_schema.validate(obj, "CreateChatCompletionResponse", strip_extensions=False)
@@ -559,9 +555,12 @@ def test_schema_helper_strips_extensions(spec):
 
 
 def _all_models() -> list[type[BaseModel]]:
-    return [v for v in vars(P).values()
-            if isinstance(v, type) and issubclass(v, BaseModel) and v.__module__ == P.__name__
-            and not v.__name__.startswith("_")]
+    """The models this project defines (responses otherwise come from openai.types)."""
+    found = [v for mod in (protocol_requests, protocol_responses) for v in vars(mod).values()
+             if isinstance(v, type) and issubclass(v, BaseModel) and v.__module__ == mod.__name__
+             and not v.__name__.startswith("_")]
+    assert {m.__name__ for m in found} >= {"CompletionRequest", "ChatCompletionRequest", "SpeculativeUsage"}
+    return found
 
 
 @pytest.mark.parametrize("model", _all_models(), ids=lambda m: m.__name__)
@@ -576,15 +575,13 @@ def test_openai_sdk_parses_responses():
     chat = pytest.importorskip("openai.types.chat")
     usage = USAGE
     c = types.Completion.model_validate(
-        P.completion_response(model="m", texts=["a"], finish_reasons=["stop"], usage=usage)
-        .model_dump())
+        P.wire(P.completion_response(model="m", texts=["a"], finish_reasons=["stop"], usage=usage)))
     assert c.choices[0].text == "a" and c.usage.total_tokens == 18
     r = chat.ChatCompletion.model_validate(
-        P.chat_response(model="m", texts=["b"], finish_reasons=["length"], usage=usage)
-        .model_dump())
+        P.wire(P.chat_response(model="m", texts=["b"], finish_reasons=["length"], usage=usage)))
     assert r.choices[0].message.content == "b"
     k = chat.ChatCompletionChunk.model_validate(
-        P.chat_chunk(request_id="x", model="m", created=1, content="c").model_dump())
+        P.wire(P.chat_chunk(request_id="x", model="m", created=1, content="c")))
     assert k.choices[0].delta.content == "c"
 
 
