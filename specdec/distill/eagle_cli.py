@@ -43,7 +43,8 @@ def add_arguments(p) -> None:
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
     c = p.add_argument_group("everyday chat data (specdec.distill.chat)")
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
-    c.add_argument("--chat-minutes", type=float, help="stop generating chat answers after this long")
+    c.add_argument("--chat-minutes", type=float,
+                   help="time for chat answers (first turns get 1 - --follow-up-frac of it, second turns the rest)")
     c.add_argument("--questions-per-topic", type=int, default=6, help="self-instruct questions per topic")
     c.add_argument("--sampled-frac", type=float, default=0.5,
                    help="share of chat answers sampled (half at temperature 0.7, half at 1.0), the rest greedy")
@@ -76,17 +77,19 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
     n_follow = int(args.follow_up_frac * len(items))
     first = items[: len(items) - n_follow]
     prompts = [(it.kind, encode_chat(tok, list(it.messages))) for it in first]
+    share = args.follow_up_frac  # of the time budget, for second turns
+    minutes = args.chat_minutes
     generate_answers(target, tok, prompts, work / "chat_answers.jsonl", args.gen_batch, args.gen_tokens,
-                     args.chat_minutes, temperatures=_temperatures(len(prompts), args.sampled_frac),
+                     minutes and minutes * (1 - share), temperatures=_temperatures(len(prompts), args.sampled_frac),
                      desc="chat answers")
     done = {r["i"]: r for r in read_answers(work / "chat_answers.jsonl")}
     base = [i for i in range(len(first)) if i in done and done[i]["temperature"] == 0.0][:n_follow]
     seconds = chat.follow_ups([first[i] for i in base],
                               [tok.decode(done[i]["output"], skip_special_tokens=True) for i in base], args.seed)
     prompts2 = [(it.kind, encode_chat(tok, list(it.messages))) for it in seconds]
-    if prompts2 and len(done) == len(first):  # second turns once every first turn is answered
+    if prompts2:  # over the greedy first turns answered so far (in index order: a resumed run extends it)
         generate_answers(target, tok, prompts2, work / "chat_follow_ups.jsonl", args.gen_batch, args.gen_tokens,
-                         args.chat_minutes, temperatures=_temperatures(len(prompts2), args.sampled_frac),
+                         minutes and minutes * share, temperatures=_temperatures(len(prompts2), args.sampled_frac),
                          desc="follow-up answers")
     return list(done.values()) + read_answers(work / "chat_follow_ups.jsonl")
 
