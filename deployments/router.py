@@ -115,7 +115,8 @@ class Lane:
 
 
 class SpecRouter:
-    """Deployment class (the builder adds the HTTP layer and Serve options)."""
+    """The batcher: queues sequences, runs lanes of speculative rounds over the draft and target
+    deployments. Not a deployment itself: the HTTP ingress (serve_app/api.py) holds one."""
 
     def __init__(self, config: dict, draft_handle, target_handle):
         self.cfg = RouterConfig(**config)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API on top of the router (the application's ingress).
+"""The OpenAI-compatible HTTP API over the batcher: the application's ingress, a FastAPI app
+(`@serve.ingress`) whose class holds the `SpecRouter` batcher as a member.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /stats (the router's speculation statistics). Every error is OpenAI's error
@@ -8,7 +9,8 @@ body with a 4xx/5xx status; overload answers 503 with Retry-After. Bodies are re
 Request logs carry ids, sizes and timings, never prompts or keys (SPECDEC_DEBUG_LOG_PROMPTS=1
 adds prompts for debugging).
 """
-from __future__ import annotations
+# No `from __future__ import annotations` here: FastAPI reads the routes' annotations after Serve
+# rewrites their signatures, outside this module's globals, so they must be real objects.
 
 import asyncio
 import hmac
@@ -20,6 +22,9 @@ from opentelemetry import context as otel_context
 from openai.types import CompletionUsage
 from opentelemetry import trace
 from opentelemetry.propagate import extract
+from fastapi import FastAPI
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -37,11 +42,102 @@ from specdec.sequence import Sequence
 log = logging.getLogger("ray.serve")
 
 
-class OpenAIRouter(SpecRouter):
-    """Router deployment with the HTTP API (the builder wraps it with serve.deployment)."""
+# Module helpers come before the ingress class: `serve.ingress` copies the class with a snapshot
+# of this module's globals taken when it runs, so names defined after it would not resolve.
+def _finish(seq: Sequence) -> str:
+    return "length" if seq.finish_reason == "length" else "stop"
+
+
+def _retry_after(e: APIError) -> dict | None:
+    return {"Retry-After": "1"} if e.status in (429, 503) else None
+
+
+def _route_path(scope) -> str:
+    """The request path inside the application (its route prefix, Serve's root_path, removed)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return (path[len(root):] if root and path.startswith(root) else path).rstrip("/") or "/"
+
+
+app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding",
+              docs_url=None, redoc_url=None, openapi_url=None)  # the OpenAI schema is the contract
+
+
+def _error(e: APIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or e.headers or _retry_after(e))
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return _error(e)
+
+
+@app.exception_handler(Overloaded)
+async def _overloaded(request: Request, e: Overloaded) -> JSONResponse:
+    return _error(APIError.overloaded(str(e), retry_after_s=e.retry_after))
+
+
+@app.exception_handler(RequestFailed)
+async def _failed(request: Request, e: RequestFailed) -> JSONResponse:
+    return _error(APIError(str(e), status=e.status))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own 404 (no such route) and 405 (wrong method), in OpenAI's format."""
+    path = _route_path(request.scope)
+    if e.status_code == 405:
+        return _error(APIError(f"Method {request.method} not allowed for {path}.", status=405))
+    if e.status_code == 404:
+        return _error(APIError(f"Unknown route {request.method} {path}.", status=404, code="not_found"))
+    return _error(APIError(str(e.detail), status=e.status_code))
+
+
+class _LogAndContain:
+    """ASGI middleware: one log line per request when its response ends (ids and timings, never
+    prompts), and a 500 in OpenAI's format for anything unexpected, so one request never takes
+    the replica down. Plain ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status, started = time.perf_counter(), 500, False
+
+        async def tracked(message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except (ClientDisconnect, asyncio.CancelledError):
+            status = 499
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("unhandled error on %s", _route_path(scope))
+            if started:
+                raise
+            await JSONResponse(APIError.internal().body(), status_code=500)(scope, receive, send)
+        finally:
+            log.info("%s %s -> %s in %.1f ms", scope.get("method"), _route_path(scope), status,
+                     (time.perf_counter() - t0) * 1e3)
+
+
+app.add_middleware(_LogAndContain)
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    """The application's ingress: OpenAI routes over the batcher (`SpecRouter`, a member in the
+    same process, so a round costs no extra hop); the builder adds Serve options."""
 
     def __init__(self, router_config: dict, api_config: dict, draft_handle, target_handle):
-        super().__init__(router_config, draft_handle, target_handle)
+        self.batcher = SpecRouter(router_config, draft_handle, target_handle)
+        self.cfg = self.batcher.cfg
+        self.tokenizer = self.batcher.tokenizer
         self.api = ApiConfig(**api_config)
         keys = constants.load_api_keys()
         if self.api.api_keys_file:
@@ -52,55 +148,52 @@ class OpenAIRouter(SpecRouter):
             raise ValueError(f"require_api_key is set but no keys in ${constants.API_KEYS_ENV}, "
                              f"${constants.API_KEYS_FILE_ENV} or api.api_keys_file")
         self.vocab_size = len(self.tokenizer)
-        self.routes = {
-            ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("GET", "/v1/models"): self._models,
-            ("GET", "/health"): self._health,
-            ("GET", "/stats"): self._stats,
-        }
 
-    # ---- dispatch ------------------------------------------------------------------------------
-    async def __call__(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        path = request.url.path
-        root = request.scope.get("root_path", "")
-        if root and path.startswith(root):  # the application's route prefix
-            path = path[len(root):]
-        path = path.rstrip("/") or "/"
-        handler = self.routes.get((request.method, path))
-        status = 500
+    # ---- what Serve calls on the deployment ---------------------------------------------------
+    def reconfigure(self, user_config: dict) -> None:
+        self.batcher.reconfigure(user_config)
+        self.cfg = self.batcher.cfg
+
+    def record_autoscaling_stats(self) -> dict:
+        return self.batcher.record_autoscaling_stats()
+
+    # ---- routes -------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = parse_request(CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        prompts = [self._encode_prompt(p) for p in req.prompts()]
+        params = self._prepare(req, prompts, "prompt")
+        return await self._run(request, req, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        self._authorize(request)
+        req = parse_request(ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
         try:
-            if handler is None:
-                known = {p for _, p in self.routes}
-                if path in known:
-                    raise APIError(f"Method {request.method} not allowed for {path}.", status=405)
-                raise APIError(f"Unknown route {request.method} {path}.", status=404, code="not_found")
-            if path != "/health":
-                self._authorize(request)
-            response = await handler(request)
-            status = response.status_code
-            return response
-        except APIError as e:
-            status = e.status
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers or _retry_after(e))
-        except Overloaded as e:
-            status = 503
-            err = APIError.overloaded(str(e), retry_after_s=e.retry_after)
-            return JSONResponse(err.body(), status_code=503, headers=err.headers)
-        except RequestFailed as e:
-            status = e.status
-            err = APIError(str(e), status=e.status)
-            return JSONResponse(err.body(), status_code=e.status, headers=_retry_after(err))
-        except (ClientDisconnect, asyncio.CancelledError):
-            status = 499
-            raise
-        except Exception:  # noqa: BLE001 - never let one request take the replica down
-            log.exception("unhandled error on %s", path)
-            return JSONResponse(APIError.internal().body(), status_code=500)
-        finally:
-            log.info("%s %s -> %s in %.1f ms", request.method, path, status, (time.perf_counter() - t0) * 1e3)
+            ids = encode_chat(self.tokenizer, req.messages_as_dicts())
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        params = self._prepare(req, [ids], "messages")
+        return await self._run(request, req, [ids], params, chat=True)
 
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(model_list([self.cfg.model_name], max_model_len=self.cfg.max_model_len))
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return JSONResponse({"status": "ok", "lanes": len(self.batcher.lanes), "queued": len(self.batcher.queue)})
+
+    @app.get("/stats")
+    async def stats(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.batcher.engine_stats())
+
+    # ---- request plumbing ---------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if not self.api.require_api_key:
             return
@@ -125,16 +218,6 @@ class OpenAIRouter(SpecRouter):
                                code="body_too_large")
             chunks.append(chunk)
         return b"".join(chunks)
-
-    # ---- simple routes ---------------------------------------------------------------------------
-    async def _models(self, request: Request) -> Response:
-        return JSONResponse(model_list([self.cfg.model_name], max_model_len=self.cfg.max_model_len))
-
-    async def _health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "lanes": len(self.lanes), "queued": len(self.queue)})
-
-    async def _stats(self, request: Request) -> Response:
-        return JSONResponse(self.engine_stats())
 
     # ---- generation ------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -175,23 +258,6 @@ class OpenAIRouter(SpecRouter):
             raise APIError("Invalid 'prompt': it encodes to no tokens.", param="prompt")
         return ids
 
-    async def _completions(self, request: Request) -> Response:
-        req = parse_request(CompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        prompts = [self._encode_prompt(p) for p in req.prompts()]
-        params = self._prepare(req, prompts, "prompt")
-        return await self._run(request, req, prompts, params, chat=False)
-
-    async def _chat(self, request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        try:
-            ids = encode_chat(self.tokenizer, req.messages_as_dicts())
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from None
-        params = self._prepare(req, [ids], "messages")
-        return await self._run(request, req, [ids], params, chat=True)
-
     async def _run(self, request: Request, req, prompts, params, chat: bool) -> Response:
         parent = extract(dict(request.headers))
         tracer = trace.get_tracer("specdec")
@@ -205,12 +271,12 @@ class OpenAIRouter(SpecRouter):
         seqs: list[Sequence] = []
         try:
             for ids in prompts:  # choices are prompt-major: index = prompt * n + choice
-                for s in self.submit(ids, params, group=rid):
+                for s in self.batcher.submit(ids, params, group=rid):
                     s.meta.update(trace_ctx=ctx, request_id=rid)
                     seqs.append(s)
         except BaseException:
             for s in seqs:
-                self.finish(s)
+                self.batcher.finish(s)
             span.end()
             raise
         if req.stream:
@@ -228,7 +294,7 @@ class OpenAIRouter(SpecRouter):
             return JSONResponse(wire(body))
         finally:
             for s in seqs:
-                self.finish(s)
+                self.batcher.finish(s)
             span.end()
 
     async def _stream(self, req, rid, seqs, prompts, chat: bool, span) -> AsyncIterator[str]:
@@ -262,13 +328,13 @@ class OpenAIRouter(SpecRouter):
             yield SSE_DONE
         finally:  # also on client disconnect (the generator is cancelled): free the sequences
             for s in seqs:
-                self.finish(s)
+                self.batcher.finish(s)
             span.end()
 
     async def _watch(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Sequence]]:
         """Yield (index, seq) each time a sequence changes, until all are finished."""
         def arm(i):
-            return asyncio.ensure_future(self.wait(seqs[i]))
+            return asyncio.ensure_future(self.batcher.wait(seqs[i]))
         pending = {arm(i): i for i, s in enumerate(seqs) if not s.finished}
         try:
             while pending:
@@ -290,11 +356,3 @@ class OpenAIRouter(SpecRouter):
                                 accepted_tokens=sum(s.accepted for s in seqs),
                                 rounds=sum(s.rounds for s in seqs)) if speculative else None
         return usage(prompt, completion, speculative=spec)
-
-
-def _finish(seq: Sequence) -> str:
-    return "length" if seq.finish_reason == "length" else "stop"
-
-
-def _retry_after(e: APIError) -> dict | None:
-    return {"Retry-After": "1"} if e.status in (429, 503) else None

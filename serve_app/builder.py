@@ -18,7 +18,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from deployments.affinity import REQUEST_ROUTER_PATH
 from deployments.draft import DraftDeployment
 from deployments.target import TargetDeployment
-from serve_app.api import OpenAIRouter
+from serve_app.api import OpenAIIngress
 from serve_app.args import AppArgs
 
 
@@ -60,7 +60,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
             **_scaling(a, "Draft", a.draft_replicas, a.max_draft_replicas),
         ).bind(dcfg.model_dump())
     router = serve.deployment(
-        OpenAIRouter, name="Router", ray_actor_options=_actor_options(a, a.router_cpus),
+        OpenAIIngress, name="Router", ray_actor_options=_actor_options(a, a.router_cpus),
         # The router sheds load itself (503 + Retry-After, OpenAI body) when its lanes and queue are
         # full; Serve's own queue at the proxy is the last guard against a flood of connections.
         max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=max(64, 4 * a.max_queued_sequences),
