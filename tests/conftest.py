@@ -77,12 +77,22 @@ def ray_cluster():
     ray.shutdown()
 
 
-def deploy(name: str, args: dict):
-    """serve.run an application built from `args` at route /<name>; returns its base URL."""
-    from ray import serve
-    from serve_app import build_app
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    return f"http://127.0.0.1:{SERVE_PORT}/{name}"
+@pytest.fixture(scope="session")
+def deploy(ray_cluster):
+    """`deploy(name, args)`: serve.run an application built from `args` at route /<name> of the
+    session's cluster; returns its base URL."""
+    def run(name: str, args: dict) -> str:
+        from ray import serve
+        from serve_app import build_app
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        return f"{ray_cluster}/{name}"
+    return run
+
+
+@pytest.fixture(scope="session")
+def metrics_port(ray_cluster) -> int:
+    """Ray's Prometheus export port for this session's cluster."""
+    return METRICS_PORT
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
@@ -39,19 +40,22 @@ async def _route(delays: dict[str, float], pins: list[str | None], avoid: list[s
     return [r.replica_id.unique_id for r in chosen]
 
 
-def test_racing_pinned_calls_each_reach_their_own_replica():
+@pytest.mark.asyncio
+async def test_racing_pinned_calls_each_reach_their_own_replica():
     # the first call's replica answers its probe last: Serve's FIFO fulfilment would hand the
     # replica found for the second call to the first (a lane then lands on a replica without its KV)
     for pins in (["slow", "fast"], ["fast", "slow"], ["slow", "fast", "slow", "fast"]):
-        assert asyncio.run(_route({"slow": 0.05, "fast": 0.0}, pins)) == pins
+        assert await _route({"slow": 0.05, "fast": 0.0}, pins) == pins
 
 
-def test_unpinned_calls_avoid_replicas_other_lanes_use():
+@pytest.mark.asyncio
+async def test_unpinned_calls_avoid_replicas_other_lanes_use():
     for _ in range(5):
-        assert asyncio.run(_route({"a": 0.0, "b": 0.0, "c": 0.0}, [None], avoid=["a", "b"])) == ["c"]
+        assert await _route({"a": 0.0, "b": 0.0, "c": 0.0}, [None], avoid=["a", "b"]) == ["c"]
     # every replica in use: any will do
-    assert asyncio.run(_route({"a": 0.0, "b": 0.0}, [None], avoid=["a", "b"]))[0] in {"a", "b"}
+    assert (await _route({"a": 0.0, "b": 0.0}, [None], avoid=["a", "b"]))[0] in {"a", "b"}
 
 
-def test_pin_of_a_gone_replica_falls_back_to_a_live_one():
-    assert asyncio.run(_route({"a": 0.0, "b": 0.0}, ["dead"], avoid=["a"])) == ["b"]
+@pytest.mark.asyncio
+async def test_pin_of_a_gone_replica_falls_back_to_a_live_one():
+    assert await _route({"a": 0.0, "b": 0.0}, ["dead"], avoid=["a"]) == ["b"]

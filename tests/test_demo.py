@@ -85,8 +85,7 @@ def test_shipped_eagle_draft(demo_model, demo_tok, demo_prompts):
 
 
 @pytest.mark.ray
-def test_demo_pair_service(ray_cluster):
-    from conftest import deploy
+def test_demo_pair_service(deploy, ray_cluster):
     url = deploy("demo", {"target": "smollm2", "proposer": "ngram", "dtype": "float32"})
     q = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": QUESTIONS[0]}],
          "max_tokens": 24, "temperature": 0}

@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from conftest import deploy
 from service_checks import assert_idle
 
 pytestmark = pytest.mark.ray
@@ -91,7 +90,7 @@ def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5
 
 # ---- (a) a draft replica dies mid-generation ---------------------------------------------------
 @pytest.fixture(scope="module")
-def draft_app(ray_cluster, tiny_dir, tiny_draft_dir):
+def draft_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     url = deploy("fdraft", {"target": str(tiny_dir), "draft": str(tiny_draft_dir), "proposer": "draft",
                             "max_model_len": 512, "dtype": "float32", "num_speculative_tokens": 3,
                             "draft_replicas": 2, "batch_wait_timeout_s": 0.05})
@@ -190,7 +189,7 @@ def test_many_disconnects_leave_nothing_behind(draft_app):
 
 # ---- (b) a tensor-parallel worker dies --------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp_app(ray_cluster, tiny_dir):
+def tp_app(deploy, ray_cluster, tiny_dir):
     url = deploy("ftp", {"target": str(tiny_dir), "proposer": "ngram", "tp": 2, "max_model_len": 512,
                          "dtype": "float32", "target_cpus": 0.25, "batch_wait_timeout_s": 0.05})
     yield url, tiny_dir.name
@@ -299,67 +298,62 @@ def tiny_worker(tiny_dir):
     return TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256)
 
 
-def test_router_retries_a_broken_target_group_and_output_is_unchanged(tiny_dir, tiny_worker):
-    async def main():
-        ok = _router(tiny_dir, _FakeTarget(tiny_worker))
-        ref = await _generate(ok, [5, 6, 7], 12)
-        flaky = _FakeTarget(tiny_worker, failures=2, error=_target_fault)
-        out = await _generate(_router(tiny_dir, flaky), [5, 6, 7], 12)
-        return ref, out, flaky.calls
-    ref, out, calls = asyncio.run(main())
-    assert out == ref and calls > 2
+@pytest.mark.asyncio
+async def test_router_retries_a_broken_target_group_and_output_is_unchanged(tiny_dir, tiny_worker):
+    ok = _router(tiny_dir, _FakeTarget(tiny_worker))
+    ref = await _generate(ok, [5, 6, 7], 12)
+    flaky = _FakeTarget(tiny_worker, failures=2, error=_target_fault)
+    out = await _generate(_router(tiny_dir, flaky), [5, 6, 7], 12)
+    assert out == ref and flaky.calls > 2
     assert len(tiny_worker.table) == 0
 
 
 @pytest.mark.parametrize("kind", ["target-fault", "actor-died", "no-replica-answers"])
-def test_router_gives_503_past_the_retry_deadline(tiny_dir, kind):
+@pytest.mark.asyncio
+async def test_router_gives_503_past_the_retry_deadline(tiny_dir, kind):
     import ray.exceptions
     from deployments.router import RequestFailed
     target = {"target-fault": lambda: _FakeTarget(failures=10**9, error=_target_fault),
               "actor-died": lambda: _FakeTarget(failures=10**9, error=ray.exceptions.ActorDiedError),
               "no-replica-answers": lambda: _FakeTarget(hang=True)}[kind]()
 
-    async def main():
-        router = _router(tiny_dir, target, retry_deadline_s=1.0)
-        t0 = time.monotonic()
-        with pytest.raises(RequestFailed) as e:
-            await asyncio.wait_for(_generate(router, [5, 6, 7], 8), timeout=10)
-        for _ in range(100):  # the lane winds down
-            if not router.lanes:
-                break
-            await asyncio.sleep(0.02)
-        return e.value, time.monotonic() - t0, router
-    err, elapsed, router = asyncio.run(main())
+    router = _router(tiny_dir, target, retry_deadline_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RequestFailed) as e:
+        await asyncio.wait_for(_generate(router, [5, 6, 7], 8), timeout=10)
+    for _ in range(100):  # the lane winds down
+        if not router.lanes:
+            break
+        await asyncio.sleep(0.02)
+    err, elapsed = e.value, time.monotonic() - t0
     assert err.status == 503 and "target unavailable" in str(err)
     assert elapsed < 5
     assert not router.lanes and not router.queue and not router.events and not router.errors
 
 
-def test_router_fails_a_lane_cleanly_on_an_application_error(tiny_dir):
+@pytest.mark.asyncio
+async def test_router_fails_a_lane_cleanly_on_an_application_error(tiny_dir):
     from deployments.router import RequestFailed
 
-    async def main():
-        router = _router(tiny_dir, _FakeTarget(failures=10**9, error=lambda: ValueError("boom")))
-        with pytest.raises(RequestFailed) as e:
-            await asyncio.wait_for(_generate(router, [5, 6, 7], 8), timeout=10)
-        return e.value
-    assert asyncio.run(main()).status == 500
+    router = _router(tiny_dir, _FakeTarget(failures=10**9, error=lambda: ValueError("boom")))
+    with pytest.raises(RequestFailed) as e:
+        await asyncio.wait_for(_generate(router, [5, 6, 7], 8), timeout=10)
+    assert e.value.status == 500
 
 
-def test_router_cancelled_lane_fails_its_requests_instead_of_hanging(tiny_dir):
+@pytest.mark.asyncio
+async def test_router_cancelled_lane_fails_its_requests_instead_of_hanging(tiny_dir):
     from deployments.router import RequestFailed
 
-    async def main():
-        router = _router(tiny_dir, _FakeTarget(hang=True))
-        gen = asyncio.ensure_future(_generate(router, [5, 6, 7], 8))
-        while not router.lanes:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        router.lanes[0].task.cancel()  # e.g. the replica shuts down
-        with pytest.raises(RequestFailed) as e:
-            await asyncio.wait_for(gen, timeout=10)
-        return e.value
-    assert asyncio.run(main()).status == 503
+    router = _router(tiny_dir, _FakeTarget(hang=True))
+    gen = asyncio.ensure_future(_generate(router, [5, 6, 7], 8))
+    while not router.lanes:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    router.lanes[0].task.cancel()  # e.g. the replica shuts down
+    with pytest.raises(RequestFailed) as e:
+        await asyncio.wait_for(gen, timeout=10)
+    assert e.value.status == 503
 
 
 class _FlakyDraft:
@@ -386,33 +380,31 @@ class _FlakyDraft:
         self.proposer.release(ids)
 
 
-def test_router_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_worker):
+@pytest.mark.asyncio
+async def test_router_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_worker):
     from deployments.router import SpecRouter
     from specdec.sampling import SamplingParams
 
-    async def main():
-        plain = await _generate(_router(tiny_dir, _FakeTarget(tiny_worker)), [5, 6, 7, 5, 6, 7, 5, 6], 60)
-        draft = _FlakyDraft()
-        router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
-                             "draft_backoff_s": 0.05, "num_speculative_tokens": 3, "adaptive": False}, draft,
-                             _FakeTarget(tiny_worker))
+    plain = await _generate(_router(tiny_dir, _FakeTarget(tiny_worker)), [5, 6, 7, 5, 6, 7, 5, 6], 60)
+    draft = _FlakyDraft()
+    router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
+                         "draft_backoff_s": 0.05, "num_speculative_tokens": 3, "adaptive": False}, draft,
+                         _FakeTarget(tiny_worker))
 
-        async def recover():  # the draft comes back (a replacement replica) a little later
-            await asyncio.sleep(0.3)
-            draft.down = False
-        r = asyncio.ensure_future(recover())
-        [seq] = router.submit([5, 6, 7, 5, 6, 7, 5, 6], [SamplingParams(max_tokens=60, temperature=0,
-                                                                          ignore_eos=True)])
-        while not seq.finished:
-            await router.wait(seq)
-        router.finish(seq)
-        await r
-        for _ in range(100):
-            if not router.lanes:
-                break
-            await asyncio.sleep(0.02)
-        return plain, seq, draft
-    plain, seq, draft = asyncio.run(main())
+    async def recover():  # the draft comes back (a replacement replica) a little later
+        await asyncio.sleep(0.3)
+        draft.down = False
+    r = asyncio.ensure_future(recover())
+    [seq] = router.submit([5, 6, 7, 5, 6, 7, 5, 6], [SamplingParams(max_tokens=60, temperature=0,
+                                                                      ignore_eos=True)])
+    while not seq.finished:
+        await router.wait(seq)
+    router.finish(seq)
+    await r
+    for _ in range(100):
+        if not router.lanes:
+            break
+        await asyncio.sleep(0.02)
     assert seq.output_ids == plain  # greedy: unchanged by the lost drafts
     assert draft.failed >= 1 and draft.calls > draft.failed + 3  # it failed, then speculation resumed
     assert seq.proposed > 0
@@ -451,7 +443,8 @@ class _UnavailableOnceTarget(_FakeTarget):
 
 
 @pytest.mark.parametrize("fault", ["draft-timeout", "target-unavailable"])
-def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault):
+@pytest.mark.asyncio
+async def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault):
     """Releases carried by a call that failed are delivered later: a slow draft replica or a
     target replica that was unreachable for a moment frees every finished sequence's slot."""
     from deployments.router import SpecRouter
@@ -461,54 +454,49 @@ def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault)
     draft.slowed = fault != "draft-timeout"  # slow once only in the draft-timeout case
     target = _UnavailableOnceTarget(tiny_worker) if fault == "target-unavailable" else _FakeTarget(tiny_worker)
 
-    async def main():
-        router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
-                             "draft_timeout_s": 0.3, "draft_backoff_s": 0.0, "num_speculative_tokens": 2,
-                             "adaptive": False}, draft, target)
-        seqs = router.submit([5, 6, 7, 5, 6, 7], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-                                                  for n in (2, 40)])
-        for s in seqs:
-            while not s.finished:
-                await router.wait(s)
-            router.finish(s)
-        for _ in range(200):
-            if not router.lanes and not router._background:
-                break
-            await asyncio.sleep(0.02)
-        return router
-    asyncio.run(main())
+    router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
+                         "draft_timeout_s": 0.3, "draft_backoff_s": 0.0, "num_speculative_tokens": 2,
+                         "adaptive": False}, draft, target)
+    seqs = router.submit([5, 6, 7, 5, 6, 7], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                              for n in (2, 40)])
+    for s in seqs:
+        while not s.finished:
+            await router.wait(s)
+        router.finish(s)
+    for _ in range(200):
+        if not router.lanes and not router._background:
+            break
+        await asyncio.sleep(0.02)
     assert draft.slowed and (fault == "draft-timeout" or target.failed)  # the fault happened
     assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side
 
 
-def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_dir, tiny_worker):
+@pytest.mark.asyncio
+async def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_dir, tiny_worker):
     """An n = 8 request on a router with 4 rows holds at most max_request_share (2 rows): a later
     single-sample request starts at once and finishes long before the large one's first wave."""
     from specdec.sampling import SamplingParams
 
-    async def main():
-        router = _router(tiny_dir, _FakeTarget(tiny_worker), max_batch_size=2, max_lanes=2,
-                         max_request_share=0.5)
-        greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        big = router.submit([5, 6, 7], [greedy] * 8)
-        held = []
+    router = _router(tiny_dir, _FakeTarget(tiny_worker), max_batch_size=2, max_lanes=2,
+                     max_request_share=0.5)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    big = router.submit([5, 6, 7], [greedy] * 8)
+    held = []
 
-        async def watch():
-            while True:
-                held.append(sum(s in big for l in router.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)))
-                await asyncio.sleep(0.002)
-        watcher = asyncio.ensure_future(watch())
-        await asyncio.sleep(0.05)  # the big request runs
-        small = await asyncio.wait_for(_generate(router, [9, 10, 11], 5), timeout=30)
-        big_done_when_small_done = sum(s.finished for s in big)
-        while not all(s.finished for s in big):
-            await asyncio.gather(*(router.wait(s) for s in big if not s.finished))
-        watcher.cancel()
-        outs = [s.output_ids for s in big]
-        for s in big:
-            router.finish(s)
-        return small, big_done_when_small_done, outs, held, router
-    small, done_early, outs, held, router = asyncio.run(main())
+    async def watch():
+        while True:
+            held.append(sum(s in big for l in router.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)))
+            await asyncio.sleep(0.002)
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.sleep(0.05)  # the big request runs
+    small = await asyncio.wait_for(_generate(router, [9, 10, 11], 5), timeout=30)
+    done_early = sum(s.finished for s in big)
+    while not all(s.finished for s in big):
+        await asyncio.gather(*(router.wait(s) for s in big if not s.finished))
+    watcher.cancel()
+    outs = [s.output_ids for s in big]
+    for s in big:
+        router.finish(s)
     assert len(small) == 5
     assert done_early == 0  # before: the 8 samples took all 4 rows and queued ahead of the client
     assert max(held) == 2  # never more than its share of the rows

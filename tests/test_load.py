@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import deploy
 from service_checks import assert_idle
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -33,7 +32,7 @@ def _load_module():
 
 
 @pytest.fixture(scope="module")
-def load_app(ray_cluster, tiny_dir, tiny_draft_dir):
+def load_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     url = deploy("load", {"target": str(tiny_dir), "draft": str(tiny_draft_dir), "proposer": "draft",
                           "max_model_len": 256, "dtype": "float32", "num_speculative_tokens": 3,
                           "max_batch_size": 8, "lanes_per_target": 4, "batch_wait_timeout_s": 0.01})

@@ -8,7 +8,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import METRICS_PORT, deploy
 
 pytestmark = pytest.mark.ray
 
@@ -30,7 +29,7 @@ def _spans(path: Path, trace_id: str) -> list[dict]:
     return out
 
 
-def test_trace_tree_spans_processes(ray_cluster, tiny_dir, tiny_draft_dir, tmp_path):
+def test_trace_tree_spans_processes(deploy, ray_cluster, tiny_dir, tiny_draft_dir, tmp_path):
     spans_file = tmp_path / "spans.jsonl"
     url = deploy("traced", {"target": str(tiny_dir), "draft": str(tiny_draft_dir), "proposer": "draft",
                             "tp": 2, "target_cpus": 0.25, "max_model_len": 512, "num_speculative_tokens": 2,
@@ -70,9 +69,9 @@ def test_trace_tree_spans_processes(ray_cluster, tiny_dir, tiny_draft_dir, tmp_p
     serve.delete("traced")
 
 
-def _scrape() -> str:
+def _scrape(metrics_port: int) -> str:
     try:
-        return httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        return httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     except httpx.HTTPError:
         return ""
 
@@ -86,7 +85,7 @@ def _value(text: str, name: str, **labels) -> float | None:
     return total if found else None
 
 
-def test_prometheus_metrics_have_plausible_values(ray_cluster, tiny_dir):
+def test_prometheus_metrics_have_plausible_values(deploy, metrics_port, ray_cluster, tiny_dir):
     url = deploy("metered", {"target": str(tiny_dir), "proposer": "ngram", "max_model_len": 512})
     model = tiny_dir.name
     generated = 0
@@ -101,7 +100,7 @@ def test_prometheus_metrics_have_plausible_values(ray_cluster, tiny_dir):
     deadline = time.time() + 90
     text = ""
     while time.time() < deadline:  # counters reach the exporter in periodic flushes: wait for the totals
-        text = _scrape()
+        text = _scrape(metrics_port)
         if (all(_value(text, w, application="metered") is not None for w in want)
                 and _value(text, "ray_specdec_generated_tokens_total", application="metered") == generated
                 and _value(text, "ray_specdec_requests_total", application="metered") == 3):
@@ -125,7 +124,7 @@ def _replicas(app: str) -> dict[str, int]:
             for name, d in status.items()}
 
 
-def test_autoscaling_follows_load_without_failures(ray_cluster, tiny_dir):
+def test_autoscaling_follows_load_without_failures(deploy, ray_cluster, tiny_dir):
     """Load rises: target and router replicas are added; load stops: back to the minimum."""
     url = deploy("scaled", {
         "target": str(tiny_dir), "proposer": "ngram", "max_model_len": 512, "autoscaling": True,

@@ -9,7 +9,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import deploy
 from openai_schema import validate
 from service_checks import assert_idle
 
@@ -24,7 +23,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, tiny_dir, tiny_draft_dir, tmp_path_factory):
+def app(deploy, ray_cluster, tiny_dir, tiny_draft_dir, tmp_path_factory):
     keyfile = tmp_path_factory.mktemp("keys") / "api_keys"
     keyfile.write_text(f"# keys of the reliability tests\n{KEY}\n{KEY2}\n")
     url = deploy(APP, {

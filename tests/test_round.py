@@ -1,7 +1,7 @@
 """specdec.round: the round written once, driven synchronously and asynchronously."""
 from __future__ import annotations
 
-import asyncio
+import pytest
 
 import torch
 
@@ -43,22 +43,19 @@ def test_one_round_asks_for_drafts_then_verification_and_commits_once():
     assert [s.num_output for s in sched.running] == [3, 3]
 
 
-def test_sync_and_async_drivers_give_the_same_rounds():
+@pytest.mark.asyncio
+async def test_sync_and_async_drivers_give_the_same_rounds():
+    async def propose(plan):
+        return _propose(plan)
+
+    async def verify(plan, draft):
+        return _verify(plan, draft)
+
     a, b = _sched(), _sched()
     for _ in range(5):
         ra = run_round(a, _propose, _verify)
-
-        async def drive():
-            steps = round_steps(b)
-            first = next(steps)
-
-            async def propose(plan):
-                return _propose(plan)
-
-            async def verify(plan, draft):
-                return _verify(plan, draft)
-            return await run_round_async(steps, first, propose, verify)
-        rb = asyncio.run(drive())
+        steps = round_steps(b)
+        rb = await run_round_async(steps, next(steps), propose, verify)
         assert ra.emitted == rb.emitted
     assert [s.output_ids for s in a.running] == [s.output_ids for s in b.running]
     assert a.stats.emitted == b.stats.emitted == 30

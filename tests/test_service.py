@@ -8,7 +8,6 @@ import openai
 import pytest
 import torch
 
-from conftest import deploy
 from openai_schema import COMPLETION_CHUNK, validate
 from service_checks import assert_idle
 
@@ -18,7 +17,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tiny_app(ray_cluster, tiny_dir, tiny_draft_dir):
+def tiny_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     url = deploy("tiny", {"target": str(tiny_dir), "draft": str(tiny_draft_dir), "proposer": "draft",
                           "max_model_len": 512, "dtype": "float32", "num_speculative_tokens": 3,
                           "batch_wait_timeout_s": 0.05})
@@ -154,7 +153,7 @@ def test_client_disconnect_frees_slots(tiny_app):
     assert_idle("tiny", url)
 
 
-def test_tensor_parallel_2_matches_tp_1(ray_cluster, tiny_dir, tiny_app):
+def test_tensor_parallel_2_matches_tp_1(deploy, ray_cluster, tiny_dir, tiny_app):
     url1, model = tiny_app
     url2 = deploy("tp2", {"target": str(tiny_dir), "proposer": "ngram", "tp": 2, "max_model_len": 512,
                           "dtype": "float32", "target_cpus": 0.25})
@@ -166,7 +165,7 @@ def test_tensor_parallel_2_matches_tp_1(ray_cluster, tiny_dir, tiny_app):
     serve.delete("tp2")
 
 
-def test_eagle_hybrid_over_tensor_parallel_matches_plain(ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
+def test_eagle_hybrid_over_tensor_parallel_matches_plain(deploy, ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
     """An EAGLE draft in the hybrid proposer, target TP=2: the features of confirmed positions
     travel target rank 0 -> router -> draft, and greedy output still equals plain decoding."""
     url1, model = tiny_app
@@ -200,7 +199,7 @@ def test_builder_refuses_bad_args(tiny_dir, tiny_draft_dir, tmp_path):
         build_app({"target": str(tiny_dir), "proposer": "eagle", "draft": str(tiny_draft_dir), "max_model_len": 512})
 
 
-def test_lanes_spread_over_replicas_and_keep_affinity(ray_cluster, tiny_dir):
+def test_lanes_spread_over_replicas_and_keep_affinity(deploy, ray_cluster, tiny_dir):
     """Two target replicas, one sequence per lane: the second lane goes to the other replica, and
     every round of a lane reaches the replica that holds its KV cache (no re-prefill)."""
     url = deploy("affine", {"target": str(tiny_dir), "proposer": "ngram", "max_model_len": 512, "target_replicas": 2,
