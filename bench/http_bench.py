@@ -97,7 +97,7 @@ def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=
 
     from specdec.loader import load_model, load_tokenizer, parse_dtype
     from specdec.proposers import build_proposer
-    from specdec.target import TargetWorker
+    from specdec.target_worker import TargetWorker
     torch.set_num_threads(os.cpu_count() or 1)
     tok, model = load_tokenizer(target), load_model(target, dtype=parse_dtype(dtype))
     prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),

@@ -58,7 +58,7 @@ def in_process(target: str, dtype: str, batch: int, max_tokens: int, threads: in
 
     from serve_app.args import AppArgs
     from specdec.loader import load_model, load_tokenizer, parse_dtype
-    from specdec.target import TargetWorker
+    from specdec.target_worker import TargetWorker
     torch.set_num_threads(threads)
     app = AppArgs(target=target, dtype=dtype)
     app.validate_models()

@@ -30,7 +30,7 @@ from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, 
                                  LoadMeter)
 from specdec.loader import load_model, parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 from specdec.tp import apply_tp
 
 log = logging.getLogger("ray.serve")

@@ -116,7 +116,7 @@ class AppArgs(BaseModel):
     @property
     def uses_features(self) -> bool:
         """The draft reads the target's features (an EAGLE-style checkpoint)."""
-        from specdec.eagle import is_eagle
+        from specdec.eagle_draft import is_eagle
         return self.speculate and self.proposer in DRAFT_PROPOSERS and is_eagle(self.draft)
 
     @property
@@ -221,7 +221,7 @@ class AppArgs(BaseModel):
                              f"{margs.num_layers} layers")
         self.max_model_len = self._resolve_max_model_len(margs)
         if self.proposer in DRAFT_PROPOSERS:
-            from specdec.eagle import check_eagle_fits, is_eagle
+            from specdec.eagle_draft import check_eagle_fits, is_eagle
             if self.proposer == "eagle" and not is_eagle(self.draft):
                 raise ValueError(f"proposer='eagle' needs an EAGLE-style draft; {self.draft} is not one "
                                  "(use proposer='draft' for a standalone draft model)")

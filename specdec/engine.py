@@ -15,7 +15,7 @@ from specdec.round import run_round
 from specdec.sampling import SamplingParams
 from specdec.scheduler import Scheduler, SchedulerConfig
 from specdec.sequence import Sequence
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 
 @dataclass

@@ -21,13 +21,13 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from specdec.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_target"), seed=0, layers=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tmp_path_factory):
-    from specdec.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1, hidden=32,
                                 heads=2, kv_heads=1, intermediate=64)
 
@@ -99,7 +99,7 @@ def metrics_port(ray_cluster) -> int:
 def tiny_eagle_dir(tmp_path_factory, tiny_dir, tiny_tok):
     """An untrained EAGLE-style draft for the tiny target (reduced 128-token head)."""
     import torch
-    from specdec.eagle import EagleDraft
+    from specdec.eagle_draft import EagleDraft
     from specdec.loader import load_model
     torch.manual_seed(3)
     target = load_model(tiny_dir)

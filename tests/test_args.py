@@ -9,13 +9,13 @@ from serve_app.args import AppArgs
 @pytest.fixture(scope="module")
 def short_dir(tmp_path_factory):
     """A target with fewer positions (512) than the old fixed default (2048)."""
-    from specdec.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("short"), seed=0, layers=2, max_pos=512)
 
 
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory):
-    from specdec.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("long"), seed=0, layers=2, max_pos=100_000)
 
 

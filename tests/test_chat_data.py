@@ -1,4 +1,4 @@
-"""Everyday-chat distillation data (specdec.distill.chat): the topic split, the prompts, the
+"""Everyday-chat distillation data (specdec_tools.distill.chat): the topic split, the prompts, the
 question filter, and the answers pipeline (greedy + sampled, second turns, resumable)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specdec.distill import chat, main
-from specdec.distill.eagle_cli import _temperatures
+from specdec_tools.distill import chat, main
+from specdec_tools.distill.eagle_cli import _temperatures
 
 
 def test_topic_split_is_disjoint_and_covers_every_domain_kind():

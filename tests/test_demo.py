@@ -9,7 +9,7 @@ from specdec.loader import load_model
 from specdec.prompts import encode_chat
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_demo_bf16_divergences_sit_at_near_ties(demo_dir, demo_tok, demo_prompts
 def test_shipped_eagle_draft(demo_model, demo_tok, demo_prompts):
     """The draft shipped for the demo target: small, the target's tokenizer, lossless in float32
     alone and in the hybrid, and trained (an untrained one accepts almost nothing)."""
-    from specdec.eagle import is_eagle, load_eagle
+    from specdec.eagle_draft import is_eagle, load_eagle
     from specdec.loader import check_same_vocab, load_tokenizer, resolve
     from specdec.proposers import EagleProposer, HybridProposer
     path = resolve("smollm2-eagle").path

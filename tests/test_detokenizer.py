@@ -11,7 +11,7 @@ import pytest
 
 from specdec.sampling import SamplingParams
 from specdec.sequence import Sequence
-from specdec.testing import tiny_tokenizer
+from tiny_models import tiny_tokenizer
 
 SAMPLES = ["héllo wörld", "中文字符 测试", "emoji 🎉🚀 and 👩‍👩‍👧 done", "naïve café — ok",
            "plain ascii text.", "Ωμέγα ß ∑ ≠ ", "\ufffd literal", "tabs\tand\r\nnewlines\n"]

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from specdec.distill import main
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.loader import load_model, load_tokenizer
 from specdec.proposers import build_proposer
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
+from specdec_tools.distill import main
 
 VOCAB = 128  # reduced head of the tiny draft (the tiny tokenizer has 512 tokens)
 COMMON = ["--layers", "1", "--init-from-target", "--draft-vocab", str(VOCAB), "--batch-tokens", "1024",

@@ -1,9 +1,9 @@
-"""EAGLE-style drafts (specdec.eagle): lossless in the engine, features kept in step with the
+"""EAGLE-style drafts (specdec.eagle_draft): lossless in the engine, features kept in step with the
 target across rounds, checkpoints round-trip, and the hybrid n-gram/draft proposer."""
 import pytest
 import torch
 
-from specdec.eagle import EagleDraft, is_eagle, load_eagle
+from specdec.eagle_draft import EagleDraft, is_eagle, load_eagle
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.loader import load_model
 from specdec.proposers import build_proposer
@@ -11,7 +11,7 @@ from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add", "import json\nimport os\nimport", "class Foo:\n    x = 1\n",
            "a b c a b c a b"]

@@ -7,7 +7,7 @@ from specdec.loader import ModelLoadError, check_same_vocab, load_model, load_to
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer, ngram_lookup
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add", "import json\nimport os\nimport", "class Foo:\n    x = 1\n"]
 
@@ -142,7 +142,7 @@ def test_adaptive_turns_speculation_off_for_a_useless_draft(tiny):
 
 
 def test_draft_vocab_mismatch_fails_at_load(tiny_tok, tmp_path):
-    from specdec.testing import make_tiny_checkpoint
+    from tiny_models import make_tiny_checkpoint
     other = load_tokenizer(make_tiny_checkpoint(tmp_path / "other", vocab_size=300))
     with pytest.raises(ModelLoadError, match="vocabulary differs"):
         check_same_vocab(tiny_tok, other)

@@ -293,7 +293,7 @@ async def _generate(router, prompt_ids, max_tokens):
 @pytest.fixture(scope="module")
 def tiny_worker(tiny_dir):
     from specdec.loader import load_model
-    from specdec.target import TargetWorker
+    from specdec.target_worker import TargetWorker
     import torch
     return TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256)
 

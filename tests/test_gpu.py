@@ -7,7 +7,7 @@ from specdec.engine import EngineConfig, LLMEngine
 from specdec.loader import load_model
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -355,7 +355,7 @@ def test_config_deployments_exist_in_built_app(name, rs, app, tmp_path_factory):
     args = dict(app["args"])
     for key in ("target", "draft"):
         if isinstance(args.get(key), str) and args[key].startswith("/") and not Path(args[key]).exists():
-            from specdec.testing import make_tiny_checkpoint
+            from tiny_models import make_tiny_checkpoint
             args[key] = str(make_tiny_checkpoint(tmp_path_factory.mktemp(f"k8s_{key}"), seed=len(key),
                                                  max_pos=max(1024, int(args.get("max_model_len", 1024)))))
         elif isinstance(args.get(key), str):  # a packaged model (`smollm2`): only its absence may skip

@@ -26,7 +26,7 @@ from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.rejection_sampler import DraftProbs
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 V, STEPS, K = 12, 3, 3
 N = 4000  # requests per case (half per prompt)
@@ -56,7 +56,7 @@ def _tiny_llama(path, seed: int, layers: int, hidden: int, scale: float):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from specdec.eagle import EagleDraft
+    from specdec.eagle_draft import EagleDraft
     from specdec.loader import load_model
     root = tmp_path_factory.mktemp("lossless")
     ref = _tiny_llama(root / "target", seed=11, layers=2, hidden=32, scale=0.35)

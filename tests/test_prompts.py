@@ -40,7 +40,7 @@ def _special(tok, name):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from specdec.testing import tiny_tokenizer
+    from tiny_models import tiny_tokenizer
     return tiny_tokenizer()
 
 
@@ -104,7 +104,7 @@ def test_the_issue_example(tiny):
 def test_template_that_rewrites_content_refuses_special_tokens():
     """Where contents cannot be located (the template trims them), special-token text in a
     content is refused (a 400 from the API) instead of being parsed; other content works."""
-    from specdec.testing import tiny_tokenizer
+    from tiny_models import tiny_tokenizer
     tok = tiny_tokenizer()
     tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim "
                          "+ '<|im_end|>\n' }}{% endfor %}{{ '<|im_start|>assistant\n' }}")
@@ -119,7 +119,7 @@ def test_template_that_rewrites_content_refuses_special_tokens():
 
 
 def test_no_chat_template_is_an_error():
-    from specdec.testing import tiny_tokenizer
+    from tiny_models import tiny_tokenizer
     tok = tiny_tokenizer()
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):

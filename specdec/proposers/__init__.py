@@ -1,7 +1,7 @@
 """Proposers and a registry-driven factory: `build_proposer(kind, ...)`.
 
 kinds: "ngram" (prompt lookup), "draft" (a separate draft checkpoint), "eagle" (an EAGLE-style
-draft over the target's features, specdec.eagle), "self" (the target's first layers as a
+draft over the target's features, specdec.eagle_draft), "self" (the target's first layers as a
 zero-training draft), "hybrid" (n-gram matches first, a draft or EAGLE checkpoint otherwise),
 "none" (no speculation).
 """
@@ -45,7 +45,7 @@ def _token_map(model, extra: dict) -> torch.Tensor | None:
 @builder("draft")
 def _draft(draft: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
            max_model_len: int = 2048, top_j: int = 32, **_) -> Proposer:
-    from specdec.eagle import is_eagle
+    from specdec.eagle_draft import is_eagle
     from specdec.loader import load_model
     if is_eagle(draft):  # an EAGLE checkpoint needs the target's features and weights
         return _eagle(draft=draft, dtype=dtype, device=device, num_slots=num_slots, max_model_len=max_model_len,
@@ -58,7 +58,7 @@ def _draft(draft: str, dtype=torch.float32, device: str = "cpu", num_slots: int 
 @builder("eagle")
 def _eagle(draft: str, target: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
            max_model_len: int = 2048, top_j: int = 32, target_model=None, **_) -> Proposer:
-    from specdec.eagle import load_eagle
+    from specdec.eagle_draft import load_eagle
     from specdec.loader import load_model
     if target_model is not None:  # in process: share the running target's embedding and head
         model = load_eagle(draft, target_model, dtype)
@@ -70,7 +70,7 @@ def _eagle(draft: str, target: str, dtype=torch.float32, device: str = "cpu", nu
 @builder("hybrid")
 def _hybrid(draft: str, hybrid_ngram_min: int = 3, ngram_max: int = 5, **kw) -> Proposer:
     """n-gram matches of at least `hybrid_ngram_min` tokens, else the draft in `draft` (EAGLE or not)."""
-    from specdec.eagle import is_eagle
+    from specdec.eagle_draft import is_eagle
     model = (_eagle if is_eagle(draft) else _draft)(draft=draft, **kw)
     return HybridProposer(NgramProposer(min_n=hybrid_ngram_min, max_n=max(ngram_max, hybrid_ngram_min)), model)
 

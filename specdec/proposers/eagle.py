@@ -1,4 +1,4 @@
-"""`EagleProposer`: k draft steps in the target's feature space (specdec.eagle, Li et al. 2024).
+"""`EagleProposer`: k draft steps in the target's feature space (specdec.eagle_draft, Li et al. 2024).
 
 Per sequence the proposer holds the confirmed tokens (as every proposer does), a slot of the
 draft layer's KV cache and a buffer of target features it has not entered yet. The cache entry

@@ -8,7 +8,7 @@ et al. 2023: the target is asked for user questions at temperature 0.8, with thr
 questions; answers are deduplicated and filtered). The held-out split is by *topic*: `crc32(topic) % 100 < heldout_pct` goes to
 evaluation and training never sees a prompt about it.
 
-Answers are the target's own (sequence-level distillation, specdec.distill.answers), greedy and
+Answers are the target's own (sequence-level distillation, specdec_tools.distill.answers), greedy and
 sampled, so that the draft learns the target's distribution and not only its argmax.
 """
 from __future__ import annotations
@@ -176,7 +176,7 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
-    from specdec.target import TargetWorker
+    from specdec.target_worker import TargetWorker
 
     path = Path(path)
     cached = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

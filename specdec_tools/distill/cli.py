@@ -1,4 +1,4 @@
-"""`specdec-distill` / `python -m specdec.distill`: train a draft model for a target, export it as a
+"""`specdec-distill` / `python -m specdec_tools.distill`: train a draft model for a target, export it as a
 Hugging Face checkpoint with a reduced head, and measure it with the engine.
 
     specdec-distill --target smollm2 --out drafts/smollm2-l4 --layers 4 --init-from-target \\
@@ -7,9 +7,9 @@ Hugging Face checkpoint with a reduced head, and measure it with the engine.
     specdec-distill --arch eagle --target smollm2 --out drafts/smollm2-eagle --minutes 45   (see eagle_cli)
 
 Pipeline: load the target (fp32, to copy initial weights, then the teacher dtype); build the
-offline corpus and its held-out split (specdec.distill.data); pick the draft vocabulary from the
-target's greedy predictions (specdec.distill.teacher); train (specdec.distill.train); save the
-checkpoint (specdec.distill.student); evaluate on held-out prompts (specdec.distill.evaluate) and
+offline corpus and its held-out split (specdec_tools.distill.data); pick the draft vocabulary from the
+target's greedy predictions (specdec_tools.distill.teacher); train (specdec_tools.distill.train); save the
+checkpoint (specdec_tools.distill.student); evaluate on held-out prompts (specdec_tools.distill.evaluate) and
 write everything into specdec.json. Methods: DistillSpec (Zhou et al. 2023), FR-Spec (Zhao et al. 2025).
 """
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 
 from specdec import envs
-from specdec.distill import eagle_cli
-from specdec.distill.data import Corpus, TextMix, chat_prompts
-from specdec.distill.evaluate import KS, evaluate, heldout_prompts
-from specdec.distill.seqgen import SeqPool
-from specdec.distill.student import DraftLM, draft_config, save_hf, write_extra
-from specdec.distill.teacher import Teacher, select_vocab, special_ids
-from specdec.distill.train import TrainConfig, Trainer
-from specdec.eagle import is_eagle, load_eagle
+from specdec.eagle_draft import is_eagle, load_eagle
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve, resolve_extra
+from specdec_tools.distill import eagle_cli
+from specdec_tools.distill.data import Corpus, TextMix, chat_prompts
+from specdec_tools.distill.evaluate import KS, evaluate, heldout_prompts
+from specdec_tools.distill.seqgen import SeqPool
+from specdec_tools.distill.student import DraftLM, draft_config, save_hf, write_extra
+from specdec_tools.distill.teacher import Teacher, select_vocab, special_ids
+from specdec_tools.distill.train import TrainConfig, Trainer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", help="output checkpoint directory")
     a("--eval-only", metavar="DIR", help="only evaluate the draft in DIR (target from its specdec.json)")
     a("--arch", choices=["llama", "eagle"], default="llama",
-      help="llama: a standalone small model; eagle: one layer over the target's features (specdec.eagle)")
+      help="llama: a standalone small model; eagle: one layer over the target's features (specdec.eagle_draft)")
     g = p.add_argument_group("draft architecture")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, help="hidden size (default: the target's)")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--corpus-limit", type=int, default=0, help="use at most this many pieces per split (0 = all)")
     t.add_argument("--heldout-pct", type=int, default=10)
     t.add_argument("--heldout-chat-pct", type=int, default=15,
-                   help="everyday-chat topics held out for evaluation (specdec.distill.chat)")
+                   help="everyday-chat topics held out for evaluation (specdec_tools.distill.chat)")
     o = p.add_argument_group("output and evaluation")
     o.add_argument("--save-dtype", default="bfloat16")
     o.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (half chat, half code); 0 = skip")

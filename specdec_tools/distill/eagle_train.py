@@ -1,4 +1,4 @@
-"""Train an EAGLE-style draft (specdec.eagle; Li et al. 2024) from the target's cached features.
+"""Train an EAGLE-style draft (specdec.eagle_draft; Li et al. 2024) from the target's cached features.
 
 Features and logits come from the same cheap forward pass: one bf16 *prefill* of the target over
 a row gives f_p at every position, and the teacher's distribution at p is head(f_p). So the
@@ -6,7 +6,7 @@ expensive part is done once (`FeatureCache.build`, ~1k tokens/s here) and traini
 several passes over it at the draft's own speed (one layer: several thousand tokens/s).
 
 Rows: the target's own greedy answers to training chat prompts and code prefixes (the serving
-distribution; specdec.distill.answers) and packed plain text (stdlib source and pydoc prose).
+distribution; specdec_tools.distill.answers) and packed plain text (stdlib source and pydoc prose).
 Loss per position p (EAGLE-1): smooth-L1(g_p, f_{p+1}) + w * CE(softmax(head(f_{p+1})), head(g_p)),
 with uniform noise on the input features, plus the same loss for a second pass that reads the
 draft's own predicted features where inference's second step does (after HASS, Zhang et al.
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.distill.train import lr_factor
-from specdec.eagle import EagleDraft
+from specdec.eagle_draft import EagleDraft
+from specdec_tools.distill.train import lr_factor
 
 
 @dataclass

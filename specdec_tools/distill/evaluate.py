@@ -3,7 +3,7 @@ prompts, and the cost ratio c that decides whether that acceptance pays.
 
 - acceptance: `LLMEngine` with the target and a `DraftModelProposer` over the draft (its reduced
   head mapped through `draft_vocab`, FR-Spec, Zhao et al. 2025), or an `EagleProposer` for an
-  EAGLE draft (specdec.eagle), greedy, fixed k in {1..4}
+  EAGLE draft (specdec.eagle_draft), greedy, fixed k in {1..4}
   (adaptive off), on held-out chat prompts (chat template) and code prefixes, separately.
 - c: median batch-1 forward time of the draft over the target's, one new token after a
   128-token context, both in the same dtype. With per-token acceptance a the expected speedup of
@@ -18,16 +18,16 @@ import time
 
 import torch
 
-from specdec.distill.chat import seed_prompts
-from specdec.distill.chat import split_topics as generic_split
-from specdec.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
-from specdec.eagle import EagleDraft
+from specdec.eagle_draft import EagleDraft
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
+from specdec_tools.distill.chat import seed_prompts
+from specdec_tools.distill.chat import split_topics as generic_split
+from specdec_tools.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
 
 KS = (1, 2, 3, 4)
 

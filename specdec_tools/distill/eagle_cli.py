@@ -1,10 +1,10 @@
-"""`specdec-distill --arch eagle`: the EAGLE-style draft pipeline (see specdec.distill.eagle_train).
+"""`specdec-distill --arch eagle`: the EAGLE-style draft pipeline (see specdec_tools.distill.eagle_train).
 
     specdec-distill --arch eagle --target smollm2 --out drafts/smollm2-eagle \\
         --answers 2000 --text-tokens 400000 --draft-vocab 8192 --minutes 45
 
 1. the target's greedy answers to training chat prompts and code prefixes (resumable jsonl), and
-   with --chat-answers its greedy and sampled answers to everyday chat (specdec.distill.chat);
+   with --chat-answers its greedy and sampled answers to everyday chat (specdec_tools.distill.chat);
 2. teacher features: one bf16 prefill over those answers and packed plain text (resumable);
 3. the draft vocabulary from the target's greedy predictions in that pass;
 4. training (resumable with --resume); 5. export (fc + layer, bf16) and held-out evaluation.
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from specdec.distill import chat
-from specdec.distill.answers import generate_answers, read_answers, training_prompts
-from specdec.distill.data import Corpus, TextMix
-from specdec.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
-from specdec.distill.teacher import special_ids
-from specdec.eagle import EagleDraft
+from specdec.eagle_draft import EagleDraft
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
 from specdec.prompts import encode_chat
+from specdec_tools.distill import chat
+from specdec_tools.distill.answers import generate_answers, read_answers, training_prompts
+from specdec_tools.distill.data import Corpus, TextMix
+from specdec_tools.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
+from specdec_tools.distill.teacher import special_ids
 
 
 def add_arguments(p) -> None:
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
     g.add_argument("--train-steps", type=int, default=2, choices=[1, 2],
                    help="draft steps trained: 2 adds a pass on the draft's own predicted features")
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
-    c = p.add_argument_group("everyday chat data (specdec.distill.chat)")
+    c = p.add_argument_group("everyday chat data (specdec_tools.distill.chat)")
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
     c.add_argument("--chat-minutes", type=float,
                    help="time for chat answers (first turns get 1 - --follow-up-frac of it, second turns the rest)")
@@ -159,17 +159,17 @@ def write_model_card(out: Path, extra: dict) -> Path:
         f"the target's head rows for {len(extra.get('draft_vocab', []))} tokens (FR-Spec, Zhao et al. 2025) "
         "shared at load time, so",
         f"only the fc and the layer are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
-        "Load it with `proposer=eagle draft=<this directory>` (or `proposer=hybrid`); see specdec/eagle.py.", "",
+        "Load it with `proposer=eagle draft=<this directory>` (or `proposer=hybrid`); see specdec/eagle_draft.py.", "",
         "## How it was made", "", "```bash", extra.get("command", ""), "```", "",
         f"- data: {m.get('data', {})}",
         f"- vocabulary: {m.get('vocab', {})}",
         f"- training: {m.get('train', {})}", "",
-        "## Measured on held-out prompts (greedy, CPU, specdec.distill.evaluate)", "",
+        "## Measured on held-out prompts (greedy, CPU, specdec_tools.distill.evaluate)", "",
         f"cost ratio c = {m.get('cost_ratio')} (draft step {m.get('draft_ms')} ms vs target step "
         f"{m.get('target_ms')} ms, batch 1, {m.get('eval_dtype')}); head coverage of the target's tokens "
         f"{m.get('vocab_coverage')}; prompts {m.get('eval_prompts')}, {m.get('eval_max_tokens')} new tokens.", "",
         "*chat*: questions about held-out standard-library code; *code*: held-out code prefixes; *generic*:",
-        "everyday chat about held-out topics (specdec.distill.chat).", "",
+        "everyday chat about held-out topics (specdec_tools.distill.chat).", "",
         "| k | acceptance (all) | chat | code | generic | mean accepted length | est. speedup L/(1+kc) | per position |",
         "|---|---|---|---|---|---|---|---|"]
     for k, r in sorted(acc.get("all", {}).items()):

@@ -13,11 +13,11 @@ import json
 import time
 from pathlib import Path
 
-from specdec.distill.data import ChatPrompt
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
+from specdec_tools.distill.data import ChatPrompt
 
 GEN_BATCH = 8
 

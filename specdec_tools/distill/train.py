@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from specdec.distill.teacher import pad_rows
+from specdec_tools.distill.teacher import pad_rows
 
 
 @dataclass

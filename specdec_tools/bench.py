@@ -2,7 +2,7 @@
 the n-gram/draft hybrid) on the demo target, at batch 1 and with 8 concurrent sequences, plus HF
 transformers as the peer.
 
-    python -m specdec.bench [--dtype float32|bfloat16] [--max-tokens 128] [--draft PATH|smollm2-eagle]
+    specdec-bench [--dtype float32|bfloat16] [--max-tokens 128] [--draft PATH|smollm2-eagle]
 
 Prompts are of two kinds: chat questions (chat template) and Python code completion taken from
 the held-out modules of the standard library (never seen by `specdec-distill`). Greedy decoding of a fixed number of tokens (EOS ignored, so
@@ -28,7 +28,7 @@ from specdec.loader import load_hf_model, load_model, load_tokenizer, parse_dtyp
 from specdec.prompts import encode_chat
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
 
 CHAT = ["What is the capital of France?", "Explain what a hash table is in two sentences.",
         "Write a Python function that reverses a string.", "What does the zip builtin do in Python?",
@@ -38,9 +38,9 @@ CHAT = ["What is the capital of France?", "Explain what a hash table is in two s
 
 def code_prompts(n: int = 8, max_tokens: int = 384, tokenizer=None) -> list[str]:
     """Openings of standard-library functions (signature + docstring) from the *held-out* modules
-    of specdec.distill.data, so that no distilled draft has seen them; the model continues."""
-    from specdec.distill.data import Corpus
-    from specdec.distill.data import code_prompts as heads
+    of specdec_tools.distill.data, so that no distilled draft has seen them; the model continues."""
+    from specdec_tools.distill.data import Corpus
+    from specdec_tools.distill.data import code_prompts as heads
     out = []
     for h in heads(Corpus.build().heldout):
         if tokenizer is None or len(tokenizer(h).input_ids) <= max_tokens:
@@ -205,7 +205,7 @@ def main(argv=None) -> None:
 def draft_factories(draft: str, model, dtype, hybrid_ngram_min: int = 3):
     """(name, factory(batch) -> proposer) for a draft checkpoint alone and in the n-gram hybrid.
     An EAGLE checkpoint shares the benchmarked target's weights and reads its features."""
-    from specdec.eagle import is_eagle, load_eagle
+    from specdec.eagle_draft import is_eagle, load_eagle
     from specdec.proposers import EagleProposer, HybridProposer
     if is_eagle(draft):
         name, d = "eagle", load_eagle(draft, model, dtype)

@@ -15,10 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from specdec.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target_worker import TargetWorker
+from specdec_tools.distill.data import Corpus, chat_ids, chat_prompts, code_prompts
 
 
 def training_prompts(corpus: Corpus, tokenizer, max_prompt: int = 256) -> list[tuple[str, list[int]]]:

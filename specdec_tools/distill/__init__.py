@@ -1,4 +1,4 @@
-"""Distil a draft model for a target (`specdec-distill`, `python -m specdec.distill`).
+"""Distil a draft model for a target (`specdec-distill`, `python -m specdec_tools.distill`).
 
 Token-level KL(p_target || q_draft) through batched target prefill, mixed with the target's own
 greedy answers (sequence-level data), after DistillSpec (Zhou et al. 2023, "DistillSpec: Improving
@@ -12,6 +12,6 @@ Modules: data (offline corpus, held-out split), teacher (prefill targets, vocabu
 seqgen (cached target generations), student (draft model and export), train (loop, checkpoints),
 evaluate (acceptance per k, cost ratio), cli (the command).
 """
-from specdec.distill.cli import build_parser, main
+from specdec_tools.distill.cli import build_parser, main
 
 __all__ = ["build_parser", "main"]
