@@ -12,6 +12,18 @@ model is the reference the logits are tested against (tests/test_model.py).
 
 The model is rank-free: tensor parallelism is applied afterwards by `specdec.tp.apply_tp`, which
 shards the linear layers and adds an all-reduce after the row-parallel ones.
+
+Position invariance (reduced precision). Speculative greedy output equals plain greedy output
+only if a position's logits do not depend on how many positions share the forward (one in a
+plain step, k+1 in a verification). In bfloat16 on CPU they do, by up to ~0.7 logits, which flips
+near-ties: SDPA's CPU kernel rounds a query row differently with one and with several queries,
+and matmul kernels pick their blocking by the row count (measured: bench/bf16_invariance.py).
+`Transformer.position_invariant` (default: on for bfloat16/float16) removes both: attention as two
+matmuls with a float32 softmax, the query heads of a key/value head stacked into one matrix padded
+to a constant multiple of rows (`ATTN_ROWS`), and a lone one-token step (batch 1, T = 1) padded to
+two positions (the dummy's key/value land one position ahead, are never attended, and are
+overwritten by the next token). With it a position's logits are bit-identical for 1 to 8 positions
+per forward and for several batch sizes (tests/test_model.py).
 """
 from __future__ import annotations
 
@@ -98,9 +110,10 @@ class BatchIndex:
     pos_grid: Tensor  # [B, T] absolute position of each input token
     kv_len: int  # keys read per row: max over rows of start + T
     mask: Tensor  # [B, 1, T, kv_len] True where a query may attend
+    exact: bool = False  # position-invariant attention (see the module docstring)
 
     @classmethod
-    def build(cls, slots: Tensor, starts: Tensor, T: int) -> "BatchIndex":
+    def build(cls, slots: Tensor, starts: Tensor, T: int, exact: bool = False) -> "BatchIndex":
         device = slots.device
         offs = torch.arange(T, device=device)
         pos_grid = starts[:, None] + offs[None, :]  # [B, T]
@@ -116,6 +129,7 @@ class BatchIndex:
             pos_grid=pos_grid,
             kv_len=kv_len,
             mask=mask[:, None],
+            exact=exact,
         )
 
 
@@ -165,11 +179,42 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             keys, values = self.kv_cache.update(rows, k, v)  # [B, L, kv_heads, head_dim]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=rows.mask, enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, heads, T, head_dim]
+        attend = grouped_attention if rows.exact else _sdpa
+        out = attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), rows.mask)  # [B, heads, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+ATTN_ROWS = 16  # query rows per key/value head in position-invariant attention (padded up to a multiple)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Causal attention whose every query row is computed the same way however many rows share
+    the call: q [B, H, T, D], k/v [B, Hkv, L, D], mask [B, 1, T, L] -> [B, H, T, D].
+
+    The rep = H / Hkv query heads of a key/value head form one matrix of rep * T rows (no copy of
+    k/v), padded to a multiple of ATTN_ROWS: CPU matmul kernels pick their blocking by the row
+    count, so a constant row count keeps a row's result the same for a plain step and a
+    verification; softmax in float32."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    M = rep * T
+    rows = -(-M // ATTN_ROWS) * ATTN_ROWS
+    qg = q.reshape(B, Hkv, M, D)
+    if rows != M:
+        qg = torch.cat([qg, qg.new_zeros(B, Hkv, rows - M, D)], dim=2)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()[:, :, :M]  # [B, Hkv, rep*T, L]
+    scores = scores.view(B, Hkv, rep, T, L) * D ** -0.5
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1).view(B, Hkv, M, L)
+    if rows != M:
+        p = torch.cat([p, p.new_zeros(B, Hkv, rows - M, L)], dim=2)
+    out = torch.matmul(p, v.float())[:, :, :M]  # [B, Hkv, rep*T, D]
+    return out.reshape(B, H, T, D).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -211,6 +256,16 @@ class Transformer(nn.Module):
         self.attention_scaling = 1.0
         self.num_slots = 0
         self.max_len = 0
+        self.exact_positions: bool | None = None  # None: position_invariant follows the dtype
+
+    @property
+    def position_invariant(self) -> bool:
+        """Whether a position's logits are independent of the forward's shape (module docstring):
+        on by default in bfloat16/float16, where rounding differences flip near-ties; float32 keeps
+        SDPA (its differences are ~1e-6 and the greedy identity tests hold there)."""
+        if self.exact_positions is not None:
+            return self.exact_positions
+        return self.dtype in (torch.bfloat16, torch.float16)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -242,12 +297,17 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
         """tokens: [B, T] new tokens; slots, starts: [B]. Returns final-norm features [B, T, hidden]."""
-        rows = BatchIndex.build(slots, starts, tokens.shape[1])
+        exact = self.position_invariant
+        lone = exact and tokens.numel() == 1  # a one-row matmul takes another kernel: add a dummy position
+        if lone:
+            tokens = tokens.expand(1, 2)
+        rows = BatchIndex.build(slots, starts, tokens.shape[1], exact)
         cos, sin = self.rope(rows.pos_grid)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, rows)
-        return self.norm(x)
+        h = self.norm(x)
+        return h[:, :1] if lone else h
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
                 n_logits: int = 1, n_hidden: int = 0) -> tuple[Tensor, Tensor]:

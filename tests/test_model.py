@@ -104,3 +104,50 @@ def test_other_llama_families_match_transformers(family, tmp_path):
         logits, _ = model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), n_logits=len(ids))
         ref = hf.eval()(torch.tensor([ids])).logits[0]
     assert torch.allclose(logits[0], ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_grouped_attention_matches_sdpa(heads, kv_heads, T):
+    """The position-invariant attention is attention: it matches SDPA (float32) with GQA, with and
+    without grouping, for one query and several, over a causal mask."""
+    import torch.nn.functional as F
+    from specdec.model import grouped_attention
+    torch.manual_seed(0)
+    B, L, D = 2, 9, 8
+    q, k, v = torch.randn(B, heads, T, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
+    pos = torch.tensor([[L - T + t for t in range(T)]] * B)
+    mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, L]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+    assert torch.allclose(grouped_attention(q, k, v, mask), ref, atol=1e-5)
+
+
+def _logits_by_chunks(model, ids, start, chunk, batch=1):
+    model.setup_cache(batch, len(ids) + 8)
+    slots = torch.arange(batch)
+    with torch.inference_mode():
+        model(torch.tensor([ids[:start]] * batch), slots, torch.zeros(batch, dtype=torch.long))
+        out = []
+        for c in range(start, len(ids), chunk):
+            toks = ids[c: c + chunk]
+            lg, _ = model(torch.tensor([toks] * batch), slots, torch.full((batch,), c), n_logits=len(toks))
+            out.append(lg[0])
+    return torch.cat(out)
+
+
+def test_bf16_logits_do_not_depend_on_positions_per_forward(demo_dir):
+    """bfloat16 with position_invariant (its default): a position's logits are bit-identical
+    whether it is computed alone, 2, 4 or 8 positions per forward, at batch 1 or 3; without it
+    (SDPA, one-row matmuls) they differ, which is what flipped near-ties under speculation."""
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    try:
+        assert model.position_invariant
+        ids = list(range(1000, 1040))
+        ref = _logits_by_chunks(model, ids, 24, 1)
+        for chunk, batch in [(2, 1), (4, 1), (8, 1), (4, 3), (1, 3)]:
+            assert torch.equal(_logits_by_chunks(model, ids, 24, chunk, batch), ref), (chunk, batch)
+        model.exact_positions = False
+        assert any(not torch.equal(_logits_by_chunks(model, ids, 24, c), _logits_by_chunks(model, ids, 24, 1))
+                   for c in (2, 4, 8))
+    finally:
+        model.exact_positions = None
