@@ -62,8 +62,8 @@ app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative 
               docs_url=None, redoc_url=None, openapi_url=None)  # the OpenAI schema is the contract
 
 
-def _error(e: APIError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=headers or e.headers or _retry_after(e))
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or _retry_after(e))
 
 
 @app.exception_handler(APIError)
@@ -136,8 +136,6 @@ class OpenAIIngress:
 
     def __init__(self, router_config: dict, api_config: dict, draft_handle, target_handle):
         self.batcher = SpecRouter(router_config, draft_handle, target_handle)
-        self.cfg = self.batcher.cfg
-        self.tokenizer = self.batcher.tokenizer
         self.api = ApiConfig(**api_config)
         keys = constants.load_api_keys()
         if self.api.api_keys_file:
@@ -149,10 +147,18 @@ class OpenAIIngress:
                              f"${constants.API_KEYS_FILE_ENV} or api.api_keys_file")
         self.vocab_size = len(self.tokenizer)
 
+    @property
+    def cfg(self):
+        """The batcher's configuration (runtime knobs change it through `reconfigure`)."""
+        return self.batcher.cfg
+
+    @property
+    def tokenizer(self):
+        return self.batcher.tokenizer
+
     # ---- what Serve calls on the deployment ---------------------------------------------------
     def reconfigure(self, user_config: dict) -> None:
         self.batcher.reconfigure(user_config)
-        self.cfg = self.batcher.cfg
 
     def record_autoscaling_stats(self) -> dict:
         return self.batcher.record_autoscaling_stats()

@@ -33,11 +33,18 @@ def training_prompts(corpus: Corpus, tokenizer, max_prompt: int = 256) -> list[t
     return out
 
 
-def read_answers(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a jsonl cache file (none if it does not exist yet)."""
     path = Path(path)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plain_engine(model, tokenizer, batch: int, max_len: int) -> LLMEngine:
+    """The target alone (no proposer) under continuous batching: how the target's own outputs are generated."""
+    return LLMEngine(TargetWorker(model, batch, max_len), None, tokenizer,
+                     EngineConfig(max_batch_size=batch, max_model_len=max_len, speculate=False))
 
 
 def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], path: Path, batch: int = 16,
@@ -49,14 +56,11 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
     from tqdm import tqdm
 
     path = Path(path)
-    done = {r["i"] for r in read_answers(path)}
+    done = {r["i"] for r in read_jsonl(path)}
     todo = [i for i in range(len(prompts)) if i not in done]
     if max_answers is not None:
         todo = todo[: max(0, max_answers - len(done))]
-    max_len = max((len(prompts[i][1]) for i in todo), default=0) + max_new + 8
-    worker = TargetWorker(model, batch, max_len)
-    engine = LLMEngine(worker, None, tokenizer, EngineConfig(max_batch_size=batch, max_model_len=max_len,
-                                                             speculate=False))
+    engine = plain_engine(model, tokenizer, batch, max((len(prompts[i][1]) for i in todo), default=0) + max_new + 8)
     temps = temperatures or [0.0] * len(prompts)
     t0, n = time.perf_counter(), len(done)
     bar = tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True)

@@ -173,22 +173,18 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
     cached in `path` (jsonl: {"topic", "text"}); topics already in the cache are not asked again."""
     from tqdm import tqdm
 
-    from specdec.engine import EngineConfig, LLMEngine
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
-    from specdec.target_worker import TargetWorker
+    from specdec_tools.distill.answers import plain_engine, read_jsonl
 
     path = Path(path)
-    cached = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    cached = read_jsonl(path)
     done = {r["topic"] for r in cached}
     todo = [t for t in topics if t not in done]
     if todo:
         prompt = {t: encode_chat(tokenizer, [{"role": "user", "content": INSTRUCT.format(t=t)}])
                   + tokenizer(PREFILL.format(t=t), add_special_tokens=False).input_ids for t in todo}
-        max_len = max(len(p) for p in prompt.values()) + 64
-        worker = TargetWorker(model, batch, max_len)
-        engine = LLMEngine(worker, None, tokenizer, EngineConfig(max_batch_size=batch, max_model_len=max_len,
-                                                                 speculate=False))
+        engine = plain_engine(model, tokenizer, batch, max(len(p) for p in prompt.values()) + 64)
         tries = 2 * per_topic
         bar = tqdm(total=len(todo), desc="self-instruct", unit="topic", dynamic_ncols=True)
         with path.open("a") as f:

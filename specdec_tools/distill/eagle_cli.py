@@ -24,7 +24,7 @@ from specdec.eagle_draft import EagleDraft
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
 from specdec.prompts import encode_chat
 from specdec_tools.distill import chat
-from specdec_tools.distill.answers import generate_answers, read_answers, training_prompts
+from specdec_tools.distill.answers import generate_answers, read_jsonl, training_prompts
 from specdec_tools.distill.data import Corpus, TextMix
 from specdec_tools.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
 from specdec_tools.distill.teacher import special_ids
@@ -82,7 +82,7 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
     generate_answers(target, tok, prompts, work / "chat_answers.jsonl", args.gen_batch, args.gen_tokens,
                      minutes and minutes * (1 - share), temperatures=_temperatures(len(prompts), args.sampled_frac),
                      desc="chat answers")
-    done = {r["i"]: r for r in read_answers(work / "chat_answers.jsonl")}
+    done = {r["i"]: r for r in read_jsonl(work / "chat_answers.jsonl")}
     base = [i for i in range(len(first)) if i in done and done[i]["temperature"] == 0.0][:n_follow]
     seconds = chat.follow_ups([first[i] for i in base],
                               [tok.decode(done[i]["output"], skip_special_tokens=True) for i in base], args.seed)
@@ -91,7 +91,7 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
         generate_answers(target, tok, prompts2, work / "chat_follow_ups.jsonl", args.gen_batch, args.gen_tokens,
                          minutes and minutes * share, temperatures=_temperatures(len(prompts2), args.sampled_frac),
                          desc="follow-up answers")
-    return list(done.values()) + read_answers(work / "chat_follow_ups.jsonl")
+    return list(done.values()) + read_jsonl(work / "chat_follow_ups.jsonl")
 
 
 def run(args, argv: list[str]) -> dict:
@@ -111,7 +111,7 @@ def run(args, argv: list[str]) -> dict:
     prompts = training_prompts(corpus, tok)  # chat and code interleaved, in corpus order
     n = generate_answers(target, tok, prompts, work / "answers.jsonl", args.gen_batch, args.gen_tokens,
                          args.gen_minutes, args.answers)
-    answers = read_answers(work / "answers.jsonl")[: args.answers]
+    answers = read_jsonl(work / "answers.jsonl")[: args.answers]
     print(f"target answers: {len(answers)} of {n} generated ({sum(len(r['output']) for r in answers)} tokens)",
           flush=True)
     if args.chat_answers:

@@ -13,10 +13,9 @@ import json
 import time
 from pathlib import Path
 
-from specdec.engine import EngineConfig, LLMEngine
 from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
-from specdec.target_worker import TargetWorker
+from specdec_tools.distill.answers import plain_engine, read_jsonl
 from specdec_tools.distill.data import ChatPrompt
 
 GEN_BATCH = 8
@@ -27,9 +26,7 @@ class SeqPool:
                  gen_share: float = 0.3, state: dict | None = None):
         self.path, self.prompts, self.model, self.tok = Path(path), prompts, model, tokenizer
         self.max_new, self.seq_len, self.gen_share = max_new, seq_len, gen_share
-        self.records: list[dict] = []  # {"i": prompt index, "prompt": ids, "output": ids}
-        if self.path.is_file():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        self.records: list[dict] = read_jsonl(self.path)  # {"i": prompt index, "prompt": ids, "output": ids}
         self.next_prompt = 1 + max((r["i"] for r in self.records), default=-1)
         st = state or {}
         self.cursor = st.get("cursor", 0)
@@ -53,10 +50,7 @@ class SeqPool:
         if not batch:
             return 0
         t0 = time.perf_counter()
-        worker = TargetWorker(self.model, GEN_BATCH, self.seq_len + self.max_new)
-        engine = LLMEngine(worker, None, self.tok, EngineConfig(max_batch_size=GEN_BATCH,
-                                                                max_model_len=self.seq_len + self.max_new,
-                                                                speculate=False))
+        engine = plain_engine(self.model, self.tok, GEN_BATCH, self.seq_len + self.max_new)
         seqs = engine.generate(ids, SamplingParams(max_tokens=self.max_new, temperature=0.0))
         self.gen_seconds += time.perf_counter() - t0
         with self.path.open("a") as f:
