@@ -1,24 +1,37 @@
-"""Spans for the deployments through the OpenTelemetry *API* only.
+"""The one span API of the service, on the OpenTelemetry *API* only.
 
-Serve replicas get their tracer provider from Ray Serve's built-in tracing (configured by the
-application: see serve_app/telemetry.py). Plain actors such as the TP workers are not Serve
-replicas, so they install one themselves from the import path in SPECDEC_TRACING_SETUP (the same
-indirection Ray uses for RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH). Context crosses actor calls as a
-W3C carrier dict (`inject()` on one side, the `carrier` argument of `span()` on the other). With
-no provider installed every call here is the API's no-op.
+Every span in the code base is opened here: `span()` (a context manager) or `start_span()` (a
+span that outlives one block, e.g. a streamed HTTP request). Context crosses actor and HTTP
+boundaries as a W3C carrier dict (`inject()` on one side, the `carrier` argument on the other).
+
+Where spans go is set up elsewhere: Serve replicas get a tracer provider from Ray Serve's
+built-in tracing or from serve_app.telemetry.setup_tracing, which hands its tracer to this module
+(`use_tracer`). Plain actors such as the TP workers are not Serve replicas, so they install one
+themselves from the import path in SPECDEC_TRACING_SETUP (the indirection Ray uses for
+RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH). With no provider installed every call is the API's no-op.
 """
 from __future__ import annotations
 
 import importlib
 import os
 from contextlib import contextmanager
+from typing import Any, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.propagate import extract
+from opentelemetry.context import Context
+from opentelemetry.propagate import extract as _extract
 from opentelemetry.propagate import inject as _inject
 
+SCOPE = "specdec"
+_tracer: Any = trace.get_tracer(SCOPE)  # follows the global provider until use_tracer() says otherwise
 _setup_done = False
+
+
+def use_tracer(tracer: Any | None) -> None:
+    """Open spans with `tracer` (serve_app.telemetry's); None: the global provider's."""
+    global _tracer
+    _tracer = tracer if tracer is not None else trace.get_tracer(SCOPE)
 
 
 def ensure_provider() -> None:
@@ -33,34 +46,51 @@ def ensure_provider() -> None:
         getattr(importlib.import_module(module), fn)()
 
 
-def inject() -> dict:
+def inject(context: Context | None = None) -> dict:
+    """W3C carrier ({"traceparent": ...}) of the current (or given) context; {} without a span."""
     carrier: dict = {}
-    _inject(carrier)
+    _inject(carrier, context=context)
     return carrier
 
 
+def extract(carrier: Mapping[str, str] | None) -> Context | None:
+    """The Context a carrier (or HTTP headers) describes; None for an empty one."""
+    return _extract(carrier) if carrier else None
+
+
 class _Span:
+    """The OTel span, plus `set(**attrs)`."""
+
     def __init__(self, span):
         self.span = span
 
     def set(self, **attrs) -> None:
-        for k, v in attrs.items():
-            self.span.set_attribute(k, v)
+        self.span.set_attributes(attrs)
+
+    def __getattr__(self, name):
+        return getattr(self.span, name)
+
+
+def start_span(name: str, carrier: Mapping[str, str] | None = None, **attrs) -> tuple[Any, Context]:
+    """A span the caller ends, child of `carrier`'s context (else a root), and the Context that
+    holds it (give it to work done for this span: it is what `inject(ctx)` sends on)."""
+    ensure_provider()
+    parent = extract(carrier)
+    sp = _tracer.start_span(name, context=parent, attributes=attrs or None)
+    return sp, trace.set_span_in_context(sp, parent)
 
 
 @contextmanager
-def span(name: str, carrier: dict | None = None, parent=None, links=(), **attrs):
-    """A span named `name`, child of `carrier`'s (or the `parent` Context's) context when given,
-    else of the current one; `links` are other contexts it also serves (a batched round)."""
+def span(name: str, carrier: Mapping[str, str] | None = None, parent: Context | None = None, links=(), **attrs):
+    """A current span named `name`, child of `carrier`'s (or the `parent` Context's) context when
+    given, else of the current one; `links` are other contexts it also serves (a batched round)."""
     ensure_provider()
     ctx = extract(carrier) if carrier else parent
     token = otel_context.attach(ctx) if ctx is not None else None
     span_links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in links if c is not None]
     try:
-        with trace.get_tracer("specdec").start_as_current_span(name, links=span_links) as sp:
-            wrapped = _Span(sp)
-            wrapped.set(**attrs)
-            yield wrapped
+        with _tracer.start_as_current_span(name, links=span_links, attributes=attrs or None) as sp:
+            yield _Span(sp)
     finally:
         if token is not None:
             otel_context.detach(token)

@@ -18,16 +18,14 @@ import logging
 import time
 from typing import AsyncIterator
 
-from opentelemetry import context as otel_context
 from openai.types import CompletionUsage
-from opentelemetry import trace
-from opentelemetry.propagate import extract
 from fastapi import FastAPI
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from deployments import tracing
 from deployments.router import Overloaded, RequestFailed, SpecRouter
 from serve_app import constants
 from serve_app.args import ApiConfig
@@ -265,13 +263,9 @@ class OpenAIIngress:
         return ids
 
     async def _run(self, request: Request, req, prompts, params, chat: bool) -> Response:
-        parent = extract(dict(request.headers))
-        tracer = trace.get_tracer("specdec")
         rid = new_chat_completion_id() if chat else new_completion_id()
-        span = tracer.start_span("router.request", context=parent,
-                                 attributes={"request_id": rid, "stream": bool(req.stream),
-                                             "n": req.num_choices, "prompts": len(prompts)})
-        ctx = trace.set_span_in_context(span, parent)
+        span, ctx = tracing.start_span("router.request", dict(request.headers), request_id=rid,
+                                       stream=bool(req.stream), n=req.num_choices, prompts=len(prompts))
         if constants.DEBUG_LOG_PROMPTS:
             log.info("request %s prompts=%r", rid, prompts)
         seqs: list[Sequence] = []

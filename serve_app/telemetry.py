@@ -9,8 +9,8 @@ ParentBased(TraceIdRatioBased(sampling_ratio)) sampler and one exporter:
   span_id, parent_id, name, times, attributes, resource, pid) to a file opened in append mode,
   batched -- several processes (router, target, draft replicas) can share one file;
 * "memory": the SDK's InMemorySpanExporter (tests, debugging);
-* "none": nothing is installed and `tracer()` is the API's NoOpTracer, so instrumented code
-  costs a no-op call; hot paths can also test `tracing_enabled()` and skip span work entirely.
+* "none": nothing is installed and spans come from the API's NoOpTracer, so instrumented code
+  costs a no-op call.
 
 Ray Serve has its own tracing (`RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH`): when that env var names
 `serve_app.telemetry:ray_serve_tracing_exporter`, Serve calls it (zero arguments, must be a plain
@@ -25,9 +25,8 @@ Plain Ray actors (e.g. tensor-parallel workers) are not Serve replicas: they can
 `setup_tracing()` with no argument (config from the environment), e.g. through
 SPECDEC_TRACING_SETUP=serve_app.telemetry:setup_tracing as read by deployments/tracing.py.
 
-Trace context crosses Ray actor calls explicitly: the caller sends `inject_context()` (a dict
-holding the W3C `traceparent`/`tracestate` headers) with the request and the callee opens its
-span under `extract_context(carrier)` (or uses `span(name, carrier=...)`).
+Spans themselves are opened through the one span API, deployments/tracing.py (`span`,
+`start_span`, `inject`), which setup_tracing points at its provider's tracer.
 """
 from __future__ import annotations
 
@@ -36,20 +35,17 @@ import logging
 import os
 import tempfile
 import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments import tracing
 
 logger = logging.getLogger(__name__)
 
 ExporterName = Literal["none", "console", "jsonl", "otlp", "memory"]
-_SCOPE = "specdec"
-_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class TracingConfig(BaseModel):
@@ -217,7 +213,6 @@ _lock = threading.Lock()
 _config: TracingConfig | None = None  # the config setup_tracing ran with (None: not yet)
 _provider: Any = None  # the SDK TracerProvider our spans go to (None: tracing off)
 _owns_provider = False
-_tracer: Any = trace.get_tracer(_SCOPE)  # before setup: follows whatever is global
 _serve_processors_made = False  # ray_serve_tracing_exporter ran in this process
 
 
@@ -227,7 +222,7 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
     `cfg` defaults to TracingConfig.from_env(). Returns the SDK TracerProvider in use, or None
     when the exporter is "none".
     """
-    global _config, _provider, _owns_provider, _tracer
+    global _config, _provider, _owns_provider
     cfg = cfg if cfg is not None else TracingConfig.from_env()
     with _lock:
         if _config is not None:
@@ -236,7 +231,7 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
             return _provider
         _config = cfg
         if cfg.exporter == "none":
-            _tracer = trace.NoOpTracer()
+            tracing.use_tracer(trace.NoOpTracer())
             return None
 
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -258,7 +253,7 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
             if isinstance(existing, trace.ProxyTracerProvider):
                 trace.set_tracer_provider(provider)  # so library instrumentation sees it too
         _provider = provider
-        _tracer = provider.get_tracer(_SCOPE)
+        tracing.use_tracer(provider.get_tracer(tracing.SCOPE))
         return provider
 
 
@@ -266,15 +261,15 @@ def reset_tracing() -> None:
     """Flush and shut down what setup_tracing installed and forget it (tests, reconfiguration).
 
     OpenTelemetry lets the *global* provider be set once per process, so after a reset a new
-    setup's provider serves `tracer()` but not `opentelemetry.trace.get_tracer()`.
+    setup's provider serves deployments.tracing's spans but not `opentelemetry.trace.get_tracer()`.
     """
-    global _config, _provider, _owns_provider, _tracer, _memory_exporter
+    global _config, _provider, _owns_provider, _memory_exporter
     with _lock:
         if _provider is not None and _owns_provider:
             _provider.shutdown()
         _config, _provider, _owns_provider = None, None, False
         _memory_exporter = None
-        _tracer = trace.get_tracer(_SCOPE)
+        tracing.use_tracer(None)
 
 
 def flush_tracing(timeout_millis: int = 5000) -> bool:
@@ -283,53 +278,9 @@ def flush_tracing(timeout_millis: int = 5000) -> bool:
     return provider.force_flush(timeout_millis) if provider is not None else True
 
 
-def tracer() -> Any:
-    """The tracer to use; read it at use time (setup_tracing replaces it)."""
-    return _tracer
-
-
-def tracing_enabled() -> bool:
-    """True when spans are recorded somewhere (lets hot paths skip building attributes)."""
-    return _provider is not None or (
-        _config is None and not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider))
-
-
 def memory_exporter() -> Any:
     """The InMemorySpanExporter of the "memory" exporter (None otherwise)."""
     return _memory_exporter
-
-
-# ---------------------------------------------------------------------------------------------
-# context propagation
-# ---------------------------------------------------------------------------------------------
-
-def inject_context(context: Context | None = None) -> dict[str, str]:
-    """W3C trace-context carrier ({"traceparent": ..., maybe "tracestate": ...}) for the current
-    (or given) context; empty when no span is active or tracing is off."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=context)
-    return carrier
-
-
-def extract_context(carrier: Mapping[str, str] | None) -> Context | None:
-    """The Context a carrier from `inject_context` describes (None for an empty carrier, which
-    makes span creation fall back to the current context)."""
-    if not carrier:
-        return None
-    return _PROPAGATOR.extract(carrier)
-
-
-@contextmanager
-def span(name: str, carrier: Mapping[str, str] | None = None,
-         attributes: Mapping[str, Any] | None = None, kind: Any = None) -> Iterator[Any]:
-    """Start a current span named `name`, continuing the trace in `carrier` if given."""
-    kwargs: dict[str, Any] = {"context": extract_context(carrier)}
-    if attributes:
-        kwargs["attributes"] = dict(attributes)
-    if kind is not None:
-        kwargs["kind"] = kind
-    with _tracer.start_as_current_span(name, **kwargs) as s:
-        yield s
 
 
 # ---------------------------------------------------------------------------------------------

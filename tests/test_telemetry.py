@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments import tracing
 from serve_app import telemetry as T
 from serve_app.telemetry import TracingConfig
 
@@ -44,8 +45,8 @@ def test_jsonl_exporter_writes_parseable_spans_with_parent_links(tmp_path):
     path = tmp_path / "spans.jsonl"
     provider = T.setup_tracing(TracingConfig(exporter="jsonl", path=str(path), service_name="svc"))
     assert provider is not None and T.setup_tracing(TracingConfig(exporter="memory")) is provider
-    with T.span("request", attributes={"request.id": "r1", "prompt_tokens": 7}):
-        with T.span("round") as round_span:
+    with tracing.span("request", **{"request.id": "r1", "prompt_tokens": 7}):
+        with tracing.span("round") as round_span:
             round_span.set_attribute("k", 4)
     assert T.flush_tracing()
     spans = {s["name"]: s for s in read_spans(path)}
@@ -64,15 +65,16 @@ def test_context_round_trips_across_a_process_boundary(tmp_path):
     T.setup_tracing(TracingConfig(exporter="jsonl", path=str(path)))
     child_code = """
         import json, sys
+        from deployments import tracing
         from serve_app import telemetry as T
         T.setup_tracing()  # from env: jsonl into the same file, new roots never sampled
-        assert T.tracer().start_span("unrelated_root").is_recording() is False
-        with T.span("remote_child", carrier=json.loads(sys.argv[1])) as s:
+        assert tracing.start_span("unrelated_root")[0].is_recording() is False
+        with tracing.span("remote_child", carrier=json.loads(sys.argv[1])) as s:
             assert s.is_recording()  # ParentBased: follows the sampled remote parent
         T.flush_tracing()
     """
-    with T.span("router_round") as parent:
-        carrier = T.inject_context()
+    with tracing.span("router_round") as parent:
+        carrier = tracing.inject()
         assert set(carrier) >= {"traceparent"}
         run_python(child_code, args=[json.dumps(carrier)],
                    env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path),
@@ -90,30 +92,31 @@ def test_context_round_trips_across_a_process_boundary(tmp_path):
 
 
 def test_extract_of_empty_carrier_is_none():
-    assert T.extract_context(None) is None and T.extract_context({}) is None
-    assert T.inject_context() == {}  # no active span
+    assert tracing.extract(None) is None and tracing.extract({}) is None
+    assert tracing.inject() == {}  # no active span
 
 
 def test_none_installs_nothing_and_costs_nothing():
     out = run_python("""
         import time
         from opentelemetry import trace
+        from deployments import tracing
         from serve_app import telemetry as T
         assert T.setup_tracing(T.TracingConfig(exporter="none")) is None
         assert type(trace.get_tracer_provider()) is trace.ProxyTracerProvider
-        assert isinstance(T.tracer(), trace.NoOpTracer) and not T.tracing_enabled()
-        with T.span("x", attributes={"a": 1}) as s:
+        assert isinstance(tracing._tracer, trace.NoOpTracer)
+        with tracing.span("x", a=1) as s:
             assert not s.is_recording()
-            assert T.inject_context() == {}
+            assert tracing.inject() == {}
         n = 20000
         t0 = time.perf_counter()
         for _ in range(n):
-            with T.span("hot"):
+            with tracing.span("hot"):
                 pass
         per_span_us = (time.perf_counter() - t0) / n * 1e6
         t0 = time.perf_counter()
         for _ in range(n):
-            T.inject_context()
+            tracing.inject()
         per_inject_us = (time.perf_counter() - t0) / n * 1e6
         print(per_span_us, per_inject_us)
     """)
@@ -125,11 +128,11 @@ def test_sampling_ratio_zero_drops_new_traces_but_follows_sampled_parents():
     T.setup_tracing(TracingConfig(exporter="memory", sampling_ratio=0.0))
     exporter = T.memory_exporter()
     for _ in range(50):
-        with T.span("dropped") as s:
+        with tracing.span("dropped") as s:
             assert not s.is_recording()
     assert exporter.get_finished_spans() == ()
     sampled_parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
-    with T.span("continued", carrier=sampled_parent):
+    with tracing.span("continued", carrier=sampled_parent):
         pass
     (kept,) = exporter.get_finished_spans()
     assert kept.name == "continued" and format(kept.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
@@ -138,7 +141,7 @@ def test_sampling_ratio_zero_drops_new_traces_but_follows_sampled_parents():
 def test_sampling_ratio_one_keeps_everything():
     T.setup_tracing(TracingConfig(exporter="memory", sampling_ratio=1.0))
     for _ in range(20):
-        with T.span("kept"):
+        with tracing.span("kept"):
             pass
     assert len(T.memory_exporter().get_finished_spans()) == 20
 
@@ -197,6 +200,7 @@ def test_setup_adopts_ray_serve_provider_without_duplicate_export(tmp_path):
     run_python("""
         from ray.serve._private import tracing_utils as serve_tracing
         from ray.serve.schema import TracingConfig as ServeTracingConfig
+        from deployments import tracing
         from serve_app import telemetry as T
         ok = serve_tracing.setup_tracing("Router", "replica-1", tracing_config=ServeTracingConfig(
             enabled=True, exporter_import_path="serve_app.telemetry:ray_serve_tracing_exporter",
@@ -206,7 +210,7 @@ def test_setup_adopts_ray_serve_provider_without_duplicate_export(tmp_path):
         from opentelemetry import trace
         assert provider is trace.get_tracer_provider()
         with serve_tracing.TraceContextManager("proxy_request"):
-            with T.span("router_round"):
+            with tracing.span("router_round"):
                 pass
         T.flush_tracing()
     """, env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path)})
