@@ -135,3 +135,8 @@ def test_eagle_distill_end_to_end(tiny_dir, tmp_path, one_thread):
     m2 = main(["--target", str(tiny_dir), "--out", str(tmp_path / "e1"), *EAGLE, "--steps", "170", "--lr", "1e-2",
                "--resume", "--eval-prompts", "0"])
     assert m2["train"]["steps"] == 170
+    # --init-draft: fine-tuning starts from a trained draft's fc and layer (0 steps: its acceptance, not a fresh init's)
+    m3 = main(["--target", str(tiny_dir), "--out", str(tmp_path / "e3"), *EAGLE, "--steps", "0",
+               "--work", str(tmp_path / "e1.work"), "--init-draft", str(tmp_path / "e1")])
+    a3 = m3["greedy_acceptance"]
+    assert a3 > max(2 * a0, a0 + 0.03) and abs(a3 - a1) < 0.02, (a0, a1, a3)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.eagle_draft import EagleDraft
+from specdec.eagle_draft import EagleDraft, load_eagle
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
 from specdec.prompts import encode_chat
 from specdec_tools.distill import chat
@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     g.add_argument("--train-steps", type=int, default=2, choices=[1, 2],
                    help="draft steps trained: 2 adds a pass on the draft's own predicted features")
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
+    g.add_argument("--init-draft", help="start from this EAGLE draft's fc and layers (fine-tuning; its "
+                   "vocabulary is replaced by the one selected from this run's data)")
     c = p.add_argument_group("everyday chat data (specdec_tools.distill.chat)")
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
     c.add_argument("--chat-minutes", type=float,
@@ -130,6 +132,9 @@ def run(args, argv: list[str]) -> dict:
     print(f"draft vocabulary: {len(kept)} tokens covering {vocab_info.get('coverage')} of the target's "
           f"greedy predictions on the training rows", flush=True)
     draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long))
+    if args.init_draft and ckpt is None:
+        draft.load_state_dict(load_eagle(args.init_draft, target, torch.float32).trained_state(), strict=False)
+        print(f"initialised from {args.init_draft}", flush=True)
     cfg = EagleTrainConfig(minutes=args.minutes, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                            warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise, draft_steps=args.train_steps,
                            save_minutes=args.save_minutes, seed=args.seed, amp=not args.no_amp)
