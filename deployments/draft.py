@@ -11,10 +11,10 @@ import threading
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from deployments.tracing import ensure_provider
-from deployments.common import replica_id, set_torch_threads
+from deployments.common import ModelRuntime, replica_id, set_torch_threads
 from deployments.metrics import DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, LoadMeter
 from specdec.loader import parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch
@@ -23,18 +23,14 @@ from specdec.proposers import build_proposer
 log = logging.getLogger("ray.serve")
 
 
-class DraftConfig(BaseModel):
+class DraftConfig(ModelRuntime):
     """Configuration of the Draft deployment."""
 
     proposer: Literal["ngram", "draft", "eagle", "hybrid", "self"] = Field("ngram", description="Which proposer the replicas run.")
     draft: str | None = Field(None, description="Draft checkpoint (proposer='draft', 'eagle' or 'hybrid').")
     target: str | None = Field(None, description="Target checkpoint (proposer='self' uses its first layers).")
     self_draft_layers: int = Field(4, ge=1, description="Layers of the target used as a self-draft.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Draft dtype.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the draft runs.")
     num_slots: int = Field(16, ge=1, description="Draft KV-cache slots per replica.")
-    max_model_len: int = Field(2048, ge=16, description="Longest sequence in tokens.")
-    num_threads: int = Field(0, ge=0, description="torch threads (0: all cores).")
     top_j: int = Field(32, ge=1, description="Sampled rows draw drafts from the top-j truncation of q.")
     ngram_min: int = Field(1, ge=1, description="Shortest n-gram matched by prompt lookup.")
     ngram_max: int = Field(3, ge=1, description="Longest n-gram matched by prompt lookup.")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from deployments.common import replica_id
+from deployments.common import MaxModelLen, replica_id
 from deployments.target import TargetFault
 from deployments.tracing import ensure_provider, inject, span
 from specdec.loader import load_tokenizer
@@ -71,7 +71,7 @@ class RouterConfig(BaseModel):
     speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
     proposer_has_model: bool = Field(True, description="Drafting costs a model forward (False for n-gram lookup): enters the adaptive cost model.")
     features: bool = Field(False, description="Pass the target's features of confirmed positions to the draft (EAGLE-style drafts).")
-    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output).")
+    max_model_len: MaxModelLen = 2048
     retry_deadline_s: float = Field(60.0, gt=0, description="How long a lane retries a failing target before failing its requests.")
     draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
     draft_timeout_s: float = Field(10.0, gt=0, description="A draft call slower than this counts as failed (e.g. no draft replica up).")

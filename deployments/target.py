@@ -18,14 +18,13 @@ import os
 import socket
 import threading
 import time
-from typing import Literal
 
 import ray
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from deployments.tracing import ensure_provider
-from deployments.common import replica_id, set_torch_threads
+from deployments.common import ModelRuntime, replica_id, set_torch_threads
 from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
                                  LoadMeter)
 from specdec.loader import load_model, parse_dtype
@@ -40,16 +39,12 @@ class TargetFault(RuntimeError):
     """This target replica cannot serve (its tensor-parallel group is broken): retry elsewhere."""
 
 
-class TargetConfig(BaseModel):
+class TargetConfig(ModelRuntime):
     """Configuration of the Target deployment."""
 
     model: str = Field(description="Target checkpoint: HF directory, .gguf file, or 'smollm2'.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/activations dtype.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where each rank runs.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree: ranks (bundles) per replica.")
     num_slots: int = Field(16, ge=1, description="KV-cache slots (concurrent sequences) per replica.")
-    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + output) in tokens.")
-    num_threads: int = Field(0, ge=0, description="torch threads per rank (0: all cores).")
     return_hidden: bool = Field(False, description="Return hidden states of emitted positions (EAGLE drafts).")
     worker_cpus: float = Field(0.5, gt=0, description="CPUs each TP worker actor asks for (its bundle's share).")
     worker_gpus: float = Field(0, ge=0, description="GPUs each TP worker actor asks for.")

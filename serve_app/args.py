@@ -13,12 +13,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from deployments.common import Device, Dtype, NumThreads
 from deployments.draft import DraftConfig
 from deployments.router import RouterConfig
 from deployments.target import TargetConfig
 from serve_app.telemetry import TracingConfig
 
-Dtype = Literal["float32", "bfloat16", "float16"]
 DRAFT_PROPOSERS = frozenset({"draft", "eagle", "hybrid"})  # proposers that read a draft checkpoint
 
 
@@ -48,8 +48,8 @@ class AppArgs(BaseModel):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round.")
     adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
-    dtype: Dtype = Field("float32", description="Model dtype.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Device of the model replicas.")
+    dtype: Dtype = "float32"
+    device: Device = "cpu"
     max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before starting a batch.")
     max_model_len: int | None = Field(None, ge=16, description="Longest sequence (prompt + output) in tokens. None: the target's own limit (max_position_embeddings), capped so that a target replica's preallocated KV cache fits in kv_cache_memory_gib; an explicit value above the model's limit is an error.")
@@ -57,7 +57,7 @@ class AppArgs(BaseModel):
     max_queued_sequences: int = Field(256, ge=0, description="Queued sequences per router beyond which requests get 503.")
     max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of a router's running rows one request (its n samples, its prompts) may hold; its other sequences wait while other requests run.")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
-    num_threads: int = Field(0, ge=0, description="torch threads per model replica (0: all cores).")
+    num_threads: NumThreads = 0
     target_cpus: float = Field(0.5, gt=0, description="CPUs per target rank (one placement-group bundle each).")
     draft_cpus: float = Field(0.25, gt=0, description="CPUs per draft replica.")
     router_cpus: float = Field(0.1, gt=0, description="CPUs per router replica.")
@@ -147,10 +147,14 @@ class AppArgs(BaseModel):
             bundle["GPU"] = 1
         return [dict(bundle) for _ in range(self.tp)]
 
+    def _runtime(self) -> dict:
+        """The shared model-runtime settings (deployments.common.ModelRuntime) of draft and target."""
+        return {"dtype": self.dtype, "device": self.device, "max_model_len": self._max_len(),
+                "num_threads": self.num_threads}
+
     def target_config(self) -> TargetConfig:
-        return TargetConfig(model=self.target, dtype=self.dtype, device=self.device, tp=self.tp,
-                            num_slots=self.target_slots, max_model_len=self._max_len(),
-                            num_threads=self.num_threads, worker_cpus=self.target_cpus,
+        return TargetConfig(**self._runtime(), model=self.target, tp=self.tp, num_slots=self.target_slots,
+                            worker_cpus=self.target_cpus,
                             return_hidden=self.uses_features,
                             worker_gpus=1 if self.device == "cuda" else 0)
 
@@ -159,9 +163,7 @@ class AppArgs(BaseModel):
             return None
         return DraftConfig(proposer=self.proposer, draft=self.draft, target=self.target,
                            self_draft_layers=self.self_draft_layers, hybrid_ngram_min=self.hybrid_ngram_min,
-                           dtype=self.dtype, device=self.device,
-                           num_slots=self.max_batch_size * self.total_lanes,
-                           max_model_len=self._max_len(), num_threads=self.num_threads)
+                           num_slots=self.max_batch_size * self.total_lanes, **self._runtime())
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(tokenizer=self.target, model_name=self.served_model_name,
