@@ -125,20 +125,10 @@ class AppArgs(BaseModel):
         return self.lanes_per_target * (self.max_target_replicas if self.autoscaling else self.target_replicas)
 
     def tracing_env(self) -> dict[str, str]:
-        """Environment for every replica (and TP worker) so that each installs the same tracing."""
-        t = self.tracing
-        if t is None:
-            return {"SPECDEC_TRACING_SETUP": "serve_app.telemetry:setup_tracing"}
-        env = {"SPECDEC_TRACING_SETUP": "serve_app.telemetry:setup_tracing", "SPECDEC_TRACING_EXPORTER": t.exporter,
-               "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(t.sampling_ratio),
-               "OTEL_SERVICE_NAME": t.service_name}
-        if t.path:
-            env["SPECDEC_TRACING_PATH"] = t.path
-        if t.batch is not None:
-            env["SPECDEC_TRACING_BATCH"] = "1" if t.batch else "0"
-        if t.otlp_endpoint:
-            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = t.otlp_endpoint
-        return env
+        """Environment for every replica (and TP worker) so that each installs the same tracing
+        (tracing=None: each process reads the OTel / SPECDEC_TRACING_* variables it inherits)."""
+        env = {"SPECDEC_TRACING_SETUP": "serve_app.telemetry:setup_tracing"}
+        return env if self.tracing is None else env | self.tracing.env()
 
     def target_bundles(self) -> list[dict]:
         """Placement-group bundles of one target replica: one per tensor-parallel rank."""

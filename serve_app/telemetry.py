@@ -1,7 +1,7 @@
 """OpenTelemetry tracing for the service: one switch, standard env vars, W3C context across actors.
 
-`setup_tracing(cfg)` installs, once per process, a TracerProvider with a
-ParentBased(TraceIdRatioBased(sampling_ratio)) sampler and one exporter:
+`setup_tracing(cfg)` installs, once per process, a TracerProvider (sampler: ParentBased(
+TraceIdRatioBased(sampling_ratio)), or the SDK's own from OTEL_TRACES_SAMPLER) and one exporter:
 
 * "otlp": OTLP over HTTP/protobuf (opentelemetry-exporter-otlp-proto-http), batched;
 * "console": the SDK's ConsoleSpanExporter on stdout;
@@ -60,12 +60,14 @@ class TracingConfig(BaseModel):
         None, description="File that the jsonl exporter appends to (required for jsonl).")
     otlp_endpoint: str | None = Field(
         None, description="Full OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces. None: "
-        "the exporter's own default / OTEL_EXPORTER_OTLP_* env handling.")
-    sampling_ratio: float = Field(
-        1.0, ge=0.0, le=1.0, description="Fraction of new traces (root spans) sampled; spans "
-        "with a parent follow the parent's decision (ParentBased).")
-    service_name: str = Field(
-        "specdec", description="OpenTelemetry resource service.name.")
+        "the OTLP exporter reads OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT itself.")
+    sampling_ratio: float | None = Field(
+        None, ge=0.0, le=1.0, description="Fraction of new traces (root spans) sampled; spans with a "
+        "parent follow the parent's decision (ParentBased). None: the SDK's own sampler from "
+        "OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default parent-based, always on).")
+    service_name: str | None = Field(
+        None, description="OpenTelemetry resource service.name. None: the SDK's OTEL_SERVICE_NAME / "
+        "OTEL_RESOURCE_ATTRIBUTES, else 'specdec'.")
     batch: bool | None = Field(
         None, description="BatchSpanProcessor (True) or SimpleSpanProcessor (False). None: batch "
         "for otlp and jsonl, simple for console and memory.")
@@ -78,58 +80,45 @@ class TracingConfig(BaseModel):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "TracingConfig":
-        """Build from the environment.
+        """Which exporter, from the environment; the SDK reads its other variables itself.
 
         SPECDEC_TRACING_EXPORTER (none|console|jsonl|otlp|memory) and SPECDEC_TRACING_PATH win
-        (SPECDEC_TRACING_BATCH=0|1 picks the span processor);
-        otherwise standard OTel variables: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER
-        (otlp|console|none), and an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT alone selects otlp.
-        OTEL_TRACES_SAMPLER (always_on/off, [parentbased_]traceidratio) with
-        OTEL_TRACES_SAMPLER_ARG gives the ratio; OTEL_SERVICE_NAME the service name.
+        (SPECDEC_TRACING_BATCH=0|1 picks the span processor); otherwise OTEL_SDK_DISABLED,
+        OTEL_TRACES_EXPORTER (otlp|console|none), and an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT alone
+        selects otlp. Sampler, service name and endpoint stay None: the TracerProvider, Resource and
+        OTLP exporter read OTEL_TRACES_SAMPLER(_ARG), OTEL_SERVICE_NAME and the endpoint variables.
         """
         env = os.environ if environ is None else environ
-        get = lambda k: (env.get(k) or "").strip()  # noqa: E731
-
-        traces_ep = get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        base_ep = get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        endpoint = traces_ep or (base_ep.rstrip("/") + "/v1/traces" if base_ep else None)
-
-        exporter = get("SPECDEC_TRACING_EXPORTER").lower()
+        get = lambda k: (env.get(k) or "").strip().lower()  # noqa: E731
+        exporter = get("SPECDEC_TRACING_EXPORTER")
         if not exporter:
-            otel_exporter = get("OTEL_TRACES_EXPORTER").lower().split(",")[0].strip()
-            if get("OTEL_SDK_DISABLED").lower() == "true":
+            otel_exporter = get("OTEL_TRACES_EXPORTER").split(",")[0].strip()
+            endpoint = get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            if get("OTEL_SDK_DISABLED") == "true":
                 exporter = "none"
             elif otel_exporter in ("otlp", "console", "none"):
                 exporter = otel_exporter
             else:
                 exporter = "otlp" if endpoint else "none"
-
-        path = get("SPECDEC_TRACING_PATH") or None
+        path = (env.get("SPECDEC_TRACING_PATH") or "").strip() or None
         if exporter == "jsonl" and not path:
             path = os.path.join(tempfile.gettempdir(), "specdec-spans.jsonl")
+        return cls(exporter=exporter, path=path, batch={"1": True, "0": False}.get(get("SPECDEC_TRACING_BATCH")))
 
-        return cls(exporter=exporter, path=path, otlp_endpoint=endpoint,
-                   sampling_ratio=_ratio_from_env(get("OTEL_TRACES_SAMPLER").lower(),
-                                                  get("OTEL_TRACES_SAMPLER_ARG")),
-                   service_name=get("OTEL_SERVICE_NAME") or "specdec",
-                   batch={"1": True, "0": False}.get(get("SPECDEC_TRACING_BATCH")))
-
-
-def _ratio_from_env(sampler: str, arg: str) -> float:
-    if sampler in ("always_off", "parentbased_always_off"):
-        return 0.0
-    if sampler in ("always_on", "parentbased_always_on"):
-        return 1.0
-    if not arg:
-        return 1.0
-    try:
-        ratio = float(arg)
-    except ValueError:
-        ratio = -1.0
-    if not 0.0 <= ratio <= 1.0:
-        logger.warning("OTEL_TRACES_SAMPLER_ARG=%r is not a ratio in [0, 1]; using 1.0", arg)
-        return 1.0
-    return ratio
+    def env(self) -> dict[str, str]:
+        """The environment variables that make another process's from_env() and SDK read this config."""
+        env = {"SPECDEC_TRACING_EXPORTER": self.exporter}
+        if self.path:
+            env["SPECDEC_TRACING_PATH"] = self.path
+        if self.batch is not None:
+            env["SPECDEC_TRACING_BATCH"] = "1" if self.batch else "0"
+        if self.sampling_ratio is not None:
+            env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(self.sampling_ratio)}
+        if self.service_name:
+            env["OTEL_SERVICE_NAME"] = self.service_name
+        if self.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = self.otlp_endpoint
+        return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,9 +233,12 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
             if not _serve_processors_made:
                 provider.add_span_processor(make_span_processor(cfg))
         else:
-            resource = Resource.create({SERVICE_NAME: cfg.service_name, "process.pid": os.getpid()})
-            provider = TracerProvider(resource=resource,
-                                      sampler=ParentBased(TraceIdRatioBased(cfg.sampling_ratio)))
+            resource = Resource.create({"process.pid": os.getpid(),
+                                        **({SERVICE_NAME: cfg.service_name} if cfg.service_name else {})})
+            if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # none in the env
+                resource = resource.merge(Resource({SERVICE_NAME: "specdec"}))
+            sampler = None if cfg.sampling_ratio is None else ParentBased(TraceIdRatioBased(cfg.sampling_ratio))
+            provider = TracerProvider(resource=resource, sampler=sampler)  # None: from OTEL_TRACES_SAMPLER
             provider._specdec_owned = True
             provider.add_span_processor(make_span_processor(cfg))
             _owns_provider = True

@@ -78,7 +78,7 @@ def test_context_round_trips_across_a_process_boundary(tmp_path):
         assert set(carrier) >= {"traceparent"}
         run_python(child_code, args=[json.dumps(carrier)],
                    env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path),
-                        "OTEL_TRACES_SAMPLER_ARG": "0"})
+                        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"})
     T.flush_tracing()
     spans = {s["name"]: s for s in read_spans(path)}
     assert set(spans) == {"router_round", "remote_child"}
@@ -146,21 +146,15 @@ def test_sampling_ratio_one_keeps_everything():
     assert len(T.memory_exporter().get_finished_spans()) == 20
 
 
-def test_from_env():
+def test_from_env_picks_the_exporter_and_leaves_the_rest_to_the_sdk():
     assert TracingConfig.from_env({}).exporter == "none"
     cfg = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/",
                                   "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_SERVICE_NAME": "llm"})
-    assert (cfg.exporter, cfg.otlp_endpoint, cfg.sampling_ratio, cfg.service_name) == (
-        "otlp", "http://collector:4318/v1/traces", 0.25, "llm")
-    cfg = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/custom",
-                                  "OTEL_EXPORTER_OTLP_ENDPOINT": "http://ignored:4318"})
-    assert cfg.otlp_endpoint == "http://c:4318/custom"
+    assert (cfg.exporter, cfg.otlp_endpoint, cfg.sampling_ratio, cfg.service_name) == ("otlp", None, None, None)
     cfg = TracingConfig.from_env({"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": "/x.jsonl",
                                   "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
     assert (cfg.exporter, cfg.path) == ("jsonl", "/x.jsonl")
     assert TracingConfig.from_env({"SPECDEC_TRACING_EXPORTER": "jsonl"}).path.endswith("specdec-spans.jsonl")
-    assert TracingConfig.from_env({"OTEL_TRACES_SAMPLER": "always_off"}).sampling_ratio == 0.0
-    assert TracingConfig.from_env({"OTEL_TRACES_SAMPLER_ARG": "7"}).sampling_ratio == 1.0  # invalid
     assert TracingConfig.from_env({"OTEL_TRACES_EXPORTER": "console"}).exporter == "console"
     assert TracingConfig.from_env({"OTEL_SDK_DISABLED": "true",
                                    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).exporter == "none"
@@ -168,6 +162,38 @@ def test_from_env():
         TracingConfig(exporter="jsonl")
     with pytest.raises(ValueError):
         TracingConfig(exporter="otlp", sampling_ratio=1.5)
+
+
+def test_explicit_config_reaches_another_process_through_the_sdks_own_variables(tmp_path):
+    """AppArgs.tracing -> env() -> a replica's from_env() + the SDK: same sampler, name, endpoint."""
+    path = tmp_path / "spans.jsonl"
+    cfg = TracingConfig(exporter="jsonl", path=str(path), sampling_ratio=0.0, service_name="llm",
+                        otlp_endpoint="http://c:4318/custom")
+    env = cfg.env()
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.0" and env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://c:4318/custom"
+    out = run_python("""
+        from deployments import tracing
+        from serve_app import telemetry as T
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        T.setup_tracing()
+        with tracing.span("dropped"):  # ratio 0: new roots are not sampled
+            pass
+        with tracing.span("kept", carrier={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}):
+            pass
+        T.flush_tracing()
+        print(OTLPSpanExporter()._endpoint)
+    """, env=env)
+    assert out.strip() == "http://c:4318/custom"
+    (kept,) = read_spans(path)
+    assert kept["name"] == "kept" and kept["resource"]["service.name"] == "llm"
+
+
+def test_default_service_name_without_env():
+    T.setup_tracing(TracingConfig(exporter="memory"))
+    with tracing.span("s"):
+        pass
+    (s,) = T.memory_exporter().get_finished_spans()
+    assert s.resource.attributes["service.name"] == "specdec"
 
 
 def test_otlp_exporter_is_the_http_protobuf_one():
