@@ -65,18 +65,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.metrics import (  # noqa: F401  (re-exported: the stats-key contract)
     DRAFT_BUSY_FRACTION,
-    DRAFT_STATS_KEYS,
     DRAFT_TOKENS_PER_S,
     ROUTER_ACCEPTANCE_RATE,
     ROUTER_DRAFT_TOKENS_PER_S,
     ROUTER_ONGOING_REQUESTS,
     ROUTER_QUEUED_REQUESTS,
     ROUTER_SPECULATING_FRACTION,
-    ROUTER_STATS_KEYS,
     ROUTER_TOKENS_PER_S,
     TARGET_ACTIVE_SEQUENCES,
     TARGET_BUSY_FRACTION,
-    TARGET_STATS_KEYS,
     TARGET_TOKENS_PER_S,
 )
 from specdec.adaptive import expected_tokens
@@ -318,10 +315,9 @@ def app_policy(contexts: dict[Any, "AutoscalingContext"],
 
     router = by_name.get(p.router_deployment)
     r_ctx = router[1] if router else None
-    ongoing = queued = r_tps = acceptance = spec_frac = draft_req = None
+    ongoing = r_tps = acceptance = spec_frac = draft_req = None
     if r_ctx is not None:
         ongoing = _sum(r_ctx, ROUTER_ONGOING_REQUESTS)
-        queued = _sum(r_ctx, ROUTER_QUEUED_REQUESTS)
         r_tps = _sum(r_ctx, ROUTER_TOKENS_PER_S)
         draft_req = _sum(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)
         weights = _metric(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)

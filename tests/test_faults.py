@@ -69,7 +69,7 @@ async def _stream(c: httpx.AsyncClient, url, model, prompt, max_tokens, progress
     return r.status_code, "".join(text), error
 
 
-def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5, bound_s=120.0):
+async def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5, bound_s=120.0):
     """Start one stream per prompt, call `fault()` once every stream has produced `min_chunks`
     chunks, and return the streams' results (bounded: no stream may hang)."""
     progress: dict[int, int] = {}
@@ -85,7 +85,7 @@ def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5
                 await asyncio.sleep(0.02)
             await asyncio.get_running_loop().run_in_executor(None, fault)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=bound_s)
-    return asyncio.run(main())
+    return await main()
 
 
 # ---- (a) a draft replica dies mid-generation ---------------------------------------------------
@@ -99,7 +99,8 @@ def draft_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     serve.delete("fdraft")
 
 
-def test_draft_replica_killed_mid_generation(draft_app):
+@pytest.mark.asyncio
+async def test_draft_replica_killed_mid_generation(draft_app):
     import ray
     url, model = draft_app
     n_tokens = 96
@@ -117,7 +118,7 @@ def test_draft_replica_killed_mid_generation(draft_app):
             killed[rid] = stats[rid]["pid"]
 
     t0 = time.monotonic()
-    results = _run_streams_with_fault(url, model, PROMPTS, n_tokens, kill_busy_draft)
+    results = await _run_streams_with_fault(url, model, PROMPTS, n_tokens, kill_busy_draft)
     assert killed
     for (status, text, error), ref in zip(results, plain):
         assert status == 200 and error is None, (status, error)
@@ -162,7 +163,8 @@ def test_non_streaming_client_timeout_frees_slots(draft_app):
     assert_idle("fdraft", url, timeout_s=30)
 
 
-def test_many_disconnects_leave_nothing_behind(draft_app):
+@pytest.mark.asyncio
+async def test_many_disconnects_leave_nothing_behind(draft_app):
     url, model = draft_app
     baseline = httpx.get(f"{url}/stats").json()["tasks"]
 
@@ -183,7 +185,7 @@ def test_many_disconnects_leave_nothing_behind(draft_app):
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
             await asyncio.gather(*[hang_up(c, i) for i in range(12)])
-    asyncio.run(main())
+    await main()
     assert_idle("fdraft", url, timeout_s=30, max_tasks=baseline)
 
 
@@ -197,7 +199,8 @@ def tp_app(deploy, ray_cluster, tiny_dir):
     serve.delete("ftp")
 
 
-def test_tp_worker_killed_mid_generation(tp_app):
+@pytest.mark.asyncio
+async def test_tp_worker_killed_mid_generation(tp_app):
     import ray
     from ray import serve
     url, model = tp_app
@@ -211,7 +214,7 @@ def test_tp_worker_killed_mid_generation(tp_app):
     assert len(victims) == 1
 
     t0 = time.monotonic()
-    results = _run_streams_with_fault(url, model, prompts, n_tokens, lambda: ray.kill(victims[0], no_restart=True),
+    results = await _run_streams_with_fault(url, model, prompts, n_tokens, lambda: ray.kill(victims[0], no_restart=True),
                                       min_chunks=3, bound_s=150)
     elapsed = time.monotonic() - t0
     assert elapsed < 150  # none hangs
