@@ -69,7 +69,7 @@ async def _stream(c: httpx.AsyncClient, url, model, prompt, max_tokens, progress
     return r.status_code, "".join(text), error
 
 
-async def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5, bound_s=120.0):
+def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5, bound_s=120.0):
     """Start one stream per prompt, call `fault()` once every stream has produced `min_chunks`
     chunks, and return the streams' results (bounded: no stream may hang)."""
     progress: dict[int, int] = {}
@@ -85,7 +85,7 @@ async def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_ch
                 await asyncio.sleep(0.02)
             await asyncio.get_running_loop().run_in_executor(None, fault)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=bound_s)
-    return await main()
+    return asyncio.run(main())
 
 
 # ---- (a) a draft replica dies mid-generation ---------------------------------------------------
@@ -99,8 +99,7 @@ def draft_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     serve.delete("fdraft")
 
 
-@pytest.mark.asyncio
-async def test_draft_replica_killed_mid_generation(draft_app):
+def test_draft_replica_killed_mid_generation(draft_app):
     import ray
     url, model = draft_app
     n_tokens = 96
@@ -118,7 +117,7 @@ async def test_draft_replica_killed_mid_generation(draft_app):
             killed[rid] = stats[rid]["pid"]
 
     t0 = time.monotonic()
-    results = await _run_streams_with_fault(url, model, PROMPTS, n_tokens, kill_busy_draft)
+    results = _run_streams_with_fault(url, model, PROMPTS, n_tokens, kill_busy_draft)
     assert killed
     for (status, text, error), ref in zip(results, plain):
         assert status == 200 and error is None, (status, error)
@@ -163,8 +162,7 @@ def test_non_streaming_client_timeout_frees_slots(draft_app):
     assert_idle("fdraft", url, timeout_s=30)
 
 
-@pytest.mark.asyncio
-async def test_many_disconnects_leave_nothing_behind(draft_app):
+def test_many_disconnects_leave_nothing_behind(draft_app):
     url, model = draft_app
     baseline = httpx.get(f"{url}/stats").json()["tasks"]
 
@@ -185,7 +183,7 @@ async def test_many_disconnects_leave_nothing_behind(draft_app):
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
             await asyncio.gather(*[hang_up(c, i) for i in range(12)])
-    await main()
+    asyncio.run(main())
     assert_idle("fdraft", url, timeout_s=30, max_tasks=baseline)
 
 
@@ -199,8 +197,7 @@ def tp_app(deploy, ray_cluster, tiny_dir):
     serve.delete("ftp")
 
 
-@pytest.mark.asyncio
-async def test_tp_worker_killed_mid_generation(tp_app):
+def test_tp_worker_killed_mid_generation(tp_app):
     import ray
     from ray import serve
     url, model = tp_app
@@ -214,7 +211,7 @@ async def test_tp_worker_killed_mid_generation(tp_app):
     assert len(victims) == 1
 
     t0 = time.monotonic()
-    results = await _run_streams_with_fault(url, model, prompts, n_tokens, lambda: ray.kill(victims[0], no_restart=True),
+    results = _run_streams_with_fault(url, model, prompts, n_tokens, lambda: ray.kill(victims[0], no_restart=True),
                                       min_chunks=3, bound_s=150)
     elapsed = time.monotonic() - t0
     assert elapsed < 150  # none hangs
@@ -482,7 +479,8 @@ async def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_d
 
     router = _router(tiny_dir, _FakeTarget(tiny_worker), max_batch_size=2, max_lanes=2,
                      max_request_share=0.5)
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    # the first wave is long (160 tokens) against the client's 5, whatever the machine's speed
+    greedy = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
     big = router.submit([5, 6, 7], [greedy] * 8)
     held = []
 
@@ -491,7 +489,8 @@ async def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_d
             held.append(sum(s in big for l in router.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)))
             await asyncio.sleep(0.002)
     watcher = asyncio.ensure_future(watch())
-    await asyncio.sleep(0.05)  # the big request runs
+    while not any(s.num_output for s in big):  # the big request runs (no wall-clock wait)
+        await asyncio.sleep(0.002)
     small = await asyncio.wait_for(_generate(router, [9, 10, 11], 5), timeout=30)
     done_early = sum(s.finished for s in big)
     while not all(s.finished for s in big):
@@ -503,6 +502,6 @@ async def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_d
     assert len(small) == 5
     assert done_early == 0  # before: the 8 samples took all 4 rows and queued ahead of the client
     assert max(held) == 2  # never more than its share of the rows
-    assert all(len(o) == 40 and o == outs[0] for o in outs)  # every sample ran (greedy: identical)
+    assert all(len(o) == 160 and o == outs[0] for o in outs)  # every sample ran (greedy: identical)
     assert not router.queue and not router.events
     assert len(tiny_worker.table) == 0

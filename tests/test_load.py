@@ -4,6 +4,7 @@ sequences in Target/Draft, nothing running or queued in the router, its asyncio 
 baseline. Prints the bench/load_test.py table (run with -s to see it)."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -40,19 +41,18 @@ def load_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     serve.delete("load")
 
 
-@pytest.mark.asyncio
-async def test_load_32_concurrent_streams(load_app):
+def test_load_32_concurrent_streams(load_app):
     url, model = load_app
     lt = _load_module()
     # unloaded outputs: one client, each distinct prompt once
-    unloaded = await lt.run_load(url, model, concurrency=1, requests=len(PROMPTS), prompts=PROMPTS,
-                                 max_tokens=MAX_TOKENS, timeout_s=120)
+    unloaded = asyncio.run(lt.run_load(url, model, concurrency=1, requests=len(PROMPTS), prompts=PROMPTS,
+                                       max_tokens=MAX_TOKENS, timeout_s=120))
     assert not unloaded.failures, unloaded.table()
     expected = {r.index: r.text for r in unloaded.results}
     baseline = assert_idle("load", url)["tasks"]
 
-    report = await lt.run_load(url, model, concurrency=CONCURRENCY, requests=REQUESTS, prompts=PROMPTS,
-                               max_tokens=MAX_TOKENS, timeout_s=120)
+    report = asyncio.run(lt.run_load(url, model, concurrency=CONCURRENCY, requests=REQUESTS, prompts=PROMPTS,
+                                     max_tokens=MAX_TOKENS, timeout_s=120))
     print(f"\nunloaded (concurrency 1):\n{unloaded.table()}\n\nloaded:\n{report.table()}")
     assert len(report.results) == REQUESTS
     assert not report.failures, report.table()

@@ -256,8 +256,7 @@ def test_request_logs_hold_neither_prompts_nor_keys(app):
     assert b"POST /v1/completions -> 200" in router_logs
 
 
-@pytest.mark.asyncio
-async def test_overload_sheds_with_503_and_retry_after(app):
+def test_overload_sheds_with_503_and_retry_after(app):
     url, model = app
     n_req = 14
 
@@ -275,7 +274,7 @@ async def test_overload_sheds_with_503_and_retry_after(app):
         async with httpx.AsyncClient(timeout=120) as c:
             return await asyncio.gather(*[one(c, i) for i in range(n_req)])
 
-    results = await flood()
+    results = asyncio.run(flood())
     ok = [(s, h, b) for s, h, b in results if s == 200]
     shed = [(s, h, b) for s, h, b in results if s != 200]
     assert len(ok) >= 2 and shed, [s for s, _, _ in results]
@@ -304,8 +303,7 @@ async def test_overload_sheds_with_503_and_retry_after(app):
     assert r.status_code == 200
 
 
-@pytest.mark.asyncio
-async def test_kv_cache_budget_is_shared_and_never_exceeded(app):
+def test_kv_cache_budget_is_shared_and_never_exceeded(app):
     """8 concurrent requests over a 2-slot target (capacity: 2 lane rows + 2 queued, beyond that
     503): both slots are really used at once, requests beyond the slots wait (queued, or shed and
     retried), every request still produces its unloaded greedy output, the slot accounting
@@ -345,7 +343,7 @@ async def test_kv_cache_budget_is_shared_and_never_exceeded(app):
                 return await asyncio.gather(*[req(p) for p in prompts])
             finally:
                 w.cancel()
-    rs = await run()
+    rs = asyncio.run(run())
     assert [r.status_code for r in rs] == [200] * len(prompts), [r.text for r in rs if r.status_code != 200]
     assert {p: r.json()["choices"][0]["text"] for p, r in zip(prompts, rs)} == solo
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in rs)
