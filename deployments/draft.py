@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Literal
 
 from pydantic import Field
 
 from deployments.tracing import ensure_provider
-from deployments.common import ModelRuntime, replica_id, set_torch_threads
+from deployments.common import ModelRuntime, ModelThread, replica_id
 from deployments.metrics import DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, LoadMeter
 from specdec.loader import parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch
@@ -41,36 +40,37 @@ class DraftDeployment:
     """Serve deployment class (decorated by the builder)."""
 
     def __init__(self, config: dict):
-        self.cfg = DraftConfig(**config)
-        set_torch_threads(self.cfg.num_threads)
-        c = self.cfg
-        self.proposer = build_proposer(
-            c.proposer, draft=c.draft, target=c.target, self_draft_layers=c.self_draft_layers,
+        self.cfg = c = DraftConfig(**config)
+        self.thread = ModelThread(c.num_threads, "draft")  # all torch work of the replica
+        self.proposer = self.thread.run(
+            build_proposer, c.proposer, draft=c.draft, target=c.target, self_draft_layers=c.self_draft_layers,
             dtype=parse_dtype(c.dtype), device=c.device, num_slots=c.num_slots, max_model_len=c.max_model_len,
             top_j=c.top_j, ngram_min=c.ngram_min, ngram_max=c.ngram_max, hybrid_ngram_min=c.hybrid_ngram_min)
-        self.lock = threading.Lock()
         self.proposed = LoadMeter()
         self.id = replica_id()
         ensure_provider()
         log.info("draft replica %s ready (%s)", self.id, c.proposer)
 
-    def propose(self, batch: SpecBatch, pin: str | None = None,
-                avoid: list[str] | None = None) -> tuple[str, DraftOutput]:
+    async def propose(self, batch: SpecBatch, pin: str | None = None,
+                      avoid: list[str] | None = None) -> tuple[str, DraftOutput]:
         """Drafts for a batch; `pin`/`avoid` are read by the affinity request router only."""
-        from deployments.tracing import span
         arrived = time.time()
-        with self.lock, span("draft.propose", batch.trace_context, rows=len(batch), k=batch.max_draft) as sp:
+        out = await self.thread.call(self._propose, batch)
+        out.served = (arrived, time.time())
+        return self.id, out
+
+    def _propose(self, batch: SpecBatch) -> DraftOutput:
+        from deployments.tracing import span
+        with span("draft.propose", batch.trace_context, rows=len(batch), k=batch.max_draft) as sp:
             t0 = time.perf_counter()
             out = self.proposer.propose(batch)
             n = sum(out.num_draft)
             self.proposed.record(n, time.perf_counter() - t0)
             sp.set(proposed=n, unknown=len(out.unknown))
-        out.served = (arrived, time.time())
-        return self.id, out
+        return out
 
-    def release(self, seq_ids: list[int], pin: str | None = None) -> None:
-        with self.lock:
-            self.proposer.release(seq_ids)
+    async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        await self.thread.call(self.proposer.release, seq_ids)
 
     def stats(self) -> dict:
         return {"replica": self.id, "pid": os.getpid(), "proposer": self.cfg.proposer,

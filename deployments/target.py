@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 
 import ray
@@ -24,7 +23,7 @@ import torch
 from pydantic import Field
 
 from deployments.tracing import ensure_provider
-from deployments.common import ModelRuntime, replica_id, set_torch_threads
+from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads
 from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
                                  LoadMeter)
 from specdec.loader import load_model, parse_dtype
@@ -126,18 +125,20 @@ class TargetDeployment:
 
     def __init__(self, config: dict):
         self.cfg = TargetConfig(**config)
-        set_torch_threads(self.cfg.num_threads)
-        self.workers = self._start_workers() if self.cfg.tp > 1 else []
-        model = _load_rank(self.cfg, 0, self.cfg.tp)
-        if self.workers:
-            model = TPGroupModel(model, self.workers)
-        self.worker = TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden)
-        self.lock = threading.Lock()
+        self.thread = ModelThread(self.cfg.num_threads, "target")  # rank 0's torch work, all of it
+        self.workers = self.thread.run(self._start_workers) if self.cfg.tp > 1 else []
+        self.worker = self.thread.run(self._load)
         self.broken: str | None = None  # why the TP group cannot serve any more
         self.tokens = LoadMeter()
         self.id = replica_id()
         ensure_provider()
         log.info("target replica %s ready (tp=%d, %s)", self.id, self.cfg.tp, self.cfg.dtype)
+
+    def _load(self) -> TargetWorker:
+        model = _load_rank(self.cfg, 0, self.cfg.tp)
+        if self.workers:
+            model = TPGroupModel(model, self.workers)
+        return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden)
 
     def _start_workers(self) -> list:
         from ray.util.placement_group import get_current_placement_group
@@ -158,12 +159,17 @@ class TargetDeployment:
         ray.get(refs)
         return workers
 
-    def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None,
-               avoid: list[str] | None = None) -> tuple[str, VerifyOutput]:
+    async def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None,
+                     avoid: list[str] | None = None) -> tuple[str, VerifyOutput]:
         """One round for a batch; `pin`/`avoid` are read by the affinity request router only."""
-        from deployments.tracing import span
         arrived = time.time()
-        with self.lock, span("target.verify", batch.trace_context, rows=len(batch), tp=self.cfg.tp) as sp:
+        out = await self.thread.call(self._verify, batch, draft)
+        out.served = (arrived, time.time())
+        return self.id, out
+
+    def _verify(self, batch: SpecBatch, draft: DraftOutput) -> VerifyOutput:
+        from deployments.tracing import span
+        with span("target.verify", batch.trace_context, rows=len(batch), tp=self.cfg.tp) as sp:
             if self.workers:
                 from deployments.tracing import inject
                 self.worker.model.trace_carrier = inject()
@@ -181,12 +187,10 @@ class TargetDeployment:
             n = sum(len(t) for t in out.tokens)
             self.tokens.record(n, time.perf_counter() - t0)
             sp.set(emitted=n, accepted=sum(out.num_accepted), unknown=len(out.unknown))
-        out.served = (arrived, time.time())
-        return self.id, out
+        return out
 
-    def release(self, seq_ids: list[int], pin: str | None = None) -> None:
-        with self.lock:
-            self.worker.release(seq_ids)
+    async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        await self.thread.call(self.worker.release, seq_ids)
 
     def stats(self) -> dict:
         return {"replica": self.id, "active_sequences": len(self.worker.table),
