@@ -126,13 +126,16 @@ def main(argv=None):
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--proposer", default=None, help="default: the app's default (AppArgs)")
     ap.add_argument("--draft", default=None, help="draft checkpoint for proposer draft/eagle/hybrid")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: the app's default (specdec.loader.fast_dtype)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=0, help="per level (default: 2 x concurrency, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs of every level (each ratio from one run)")
     ap.add_argument("--no-engine", action="store_true")
     a = ap.parse_args(argv)
+    if a.dtype == "auto":
+        from specdec.loader import fast_dtype
+        a.dtype = fast_dtype()
     levels = [int(c) for c in a.concurrency.split(",")]
     args = {"target": a.target, "dtype": a.dtype, "max_batch_size": max(levels)}
     args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})

@@ -72,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--url", default=None, help="a running service; default: start the default app locally")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: the app's default (specdec.loader.fast_dtype)")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--requests", type=int, default=0, help="per level and mode (default: 2 x concurrency, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -80,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--app-args", default="{}", help="JSON: extra AppArgs for the local app")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
     a = ap.parse_args(argv)
+    if a.dtype == "auto":
+        from specdec.loader import fast_dtype
+        a.dtype = fast_dtype()
     import json
     levels = [int(c) for c in a.concurrency.split(",")]
     url = a.url or start_local({"target": a.target, "dtype": a.dtype, **json.loads(a.app_args)})

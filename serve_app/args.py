@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from deployments.common import Device, Dtype, NumThreads
+from deployments.common import Device, NumThreads
 from deployments.draft import DraftConfig
 from deployments.router import RouterConfig
 from deployments.target import TargetConfig
@@ -48,7 +48,7 @@ class AppArgs(BaseModel):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round.")
     adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
-    dtype: Dtype = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype. 'auto': bfloat16 on GPUs and on CPUs with native bfloat16 instructions (avx512_bf16, AMX), float32 on other CPUs (resolved on the machine that builds the app).")
     device: Device = "cpu"
     max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before starting a batch.")
@@ -86,6 +86,9 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
+        if self.dtype == "auto":
+            from specdec.loader import fast_dtype
+            self.dtype = fast_dtype(self.device)
         if self.proposer == "auto":
             from serve_app.constants import AUTO_PROPOSER_WITH_DRAFT, AUTO_PROPOSER_WITHOUT_DRAFT
             from specdec.loader import bundled_draft_for

@@ -169,6 +169,22 @@ def resolve_extra(spec: str | os.PathLike) -> dict:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
+def fast_dtype(device: str = "cpu") -> str:
+    """The dtype to run on `device` when the user does not choose: bfloat16 on GPUs and on CPUs
+    with native bfloat16 instructions (avx512_bf16 or AMX: there a bf16 step is ~1.7x faster than
+    a float32 one and a 5-position verification costs about one step, BENCHMARKS.md), float32
+    elsewhere (without them oneDNN emulates bf16 and it is slower). Position-invariant attention
+    keeps bf16 speculative greedy output equal to bf16 plain greedy output (specdec/model.py)."""
+    if device == "cuda":
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:  # not Linux: stay with what is fast everywhere
+        return "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

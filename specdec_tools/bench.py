@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from specdec.adaptive import speedup_bound
 from specdec.engine import EngineConfig, LLMEngine
-from specdec.loader import load_hf_model, load_model, load_tokenizer, parse_dtype
+from specdec.loader import fast_dtype, load_hf_model, load_model, load_tokenizer, parse_dtype
 from specdec.prompts import encode_chat
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.sampling import SamplingParams
@@ -61,10 +61,21 @@ class Row:
     mean_len: float = 1.0
     c: float = 0.0
     identical: bool | None = None
+    rounds: int = 0  # engine rounds, and their wall time split (summed seconds)
+    draft_s: float = 0.0  # plan + proposer
+    target_s: float = 0.0  # verify
+    round_s: float = 0.0
 
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds
+
+    def split(self) -> str:
+        """Per round, ms: whole round (plan + draft / verify / commit)."""
+        if not self.rounds:
+            return "-"
+        ms = [x / self.rounds * 1e3 for x in (self.round_s, self.draft_s, self.target_s)]
+        return f"{ms[0]:.1f} ({ms[1]:.1f} / {ms[2]:.1f} / {ms[0] - ms[1] - ms[2]:.1f})"
 
 
 def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True):
@@ -81,6 +92,10 @@ def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=Fal
     return [s.output_ids for s in seqs], dt, eng.stats
 
 
+def _times(st) -> dict:
+    return {"rounds": st.rounds, "draft_s": st.draft_time, "target_s": st.target_time, "round_s": st.round_time}
+
+
 def cost_ratio(stats, plain_step: float) -> float:
     steps = stats.draft_time / max(1, stats.spec_row_rounds) if stats.spec_row_rounds else 0.0
     return steps / plain_step if plain_step else 0.0
@@ -91,7 +106,7 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar) -> lis
     rows = []
     base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
     plain_step = st.target_time / st.rounds
-    rows.append(Row("plain", batch, 0, sum(map(len, base)), dt))
+    rows.append(Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st)))
     bar.update()
     for name, make in [("ngram", lambda: NgramProposer())] + [
             (n, (lambda f=f: f(batch))) for n, f in drafts]:
@@ -99,11 +114,11 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar) -> lis
             out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens)
             per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
             rows.append(Row(f"{name}", batch, k, sum(map(len, out)), dt, st.acceptance_rate,
-                            st.mean_accepted_length, per_step / plain_step, out == base))
+                            st.mean_accepted_length, per_step / plain_step, out == base, **_times(st)))
             bar.update()
         out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True)
         rows.append(Row(f"{name} adaptive", batch, -1, sum(map(len, out)), dt, st.acceptance_rate,
-                        st.mean_accepted_length, 0.0, out == base))
+                        st.mean_accepted_length, 0.0, out == base, **_times(st)))
         bar.update()
     return rows
 
@@ -132,8 +147,9 @@ def bench_hf(target: str, tok, prompts, max_tokens, dtype, ks, bar) -> list[Row]
 
 
 def print_table(rows: list[Row], plain: dict[int, float]) -> None:
-    print(f"\n| config | batch | k | tokens/s | accept a | mean acc. len | c | bound S | speedup | measured/bound | same output |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| config | batch | k | tokens/s | accept a | mean acc. len | c | bound S | speedup | measured/bound | "
+          f"same output | round ms (plan+draft / verify / commit) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sp = r.tps / plain[r.batch] if r.batch in plain else float("nan")
         if r.k > 0 and r.acceptance < 1 and not r.name.startswith("HF"):
@@ -146,7 +162,7 @@ def print_table(rows: list[Row], plain: dict[int, float]) -> None:
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
         acc = f"{r.acceptance:.2f}" if r.k != 0 and not r.name.startswith("HF") else "-"
         print(f"| {r.name} | {r.batch} | {k} | {r.tps:.1f} | {acc} | {r.mean_len:.2f} | {r.c:.3f} | {bound_s} | "
-              f"{sp:.2f}x | {mb} | {same} |")
+              f"{sp:.2f}x | {mb} | {same} | {r.split()} |")
 
 
 def main(argv=None) -> None:
@@ -156,7 +172,8 @@ def main(argv=None) -> None:
     ap.add_argument("--self-draft-layers", type=int, default=4)
     ap.add_argument("--no-self", action="store_true", help="skip the self-draft rows")
     ap.add_argument("--hybrid-ngram-min", type=int, default=3, help="hybrid: shortest n-gram match taken")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: specdec.loader.fast_dtype(device)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ks", default="2,4", help="fixed k values to measure")
     ap.add_argument("--kinds", default="chat,code")
@@ -167,9 +184,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.dtype == "auto":
+        a.dtype = fast_dtype(a.device)
     dtype = parse_dtype(a.dtype)
     tok = load_tokenizer(a.target)
-    model = load_model(a.target, dtype=dtype)
+    model = load_model(a.target, dtype=dtype, device=a.device)
     self_draft = model.first_layers(a.self_draft_layers)
     drafts = [] if a.no_self else [(f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048))]
     if a.draft:
@@ -181,7 +200,8 @@ def main(argv=None) -> None:
     per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
-    print(f"target={a.target} dtype={a.dtype} max_tokens={a.max_tokens} threads={torch.get_num_threads()}")
+    print(f"target={a.target} dtype={a.dtype} device={a.device} max_tokens={a.max_tokens} threads={torch.get_num_threads()}"
+          + (f" gpu={torch.cuda.get_device_name()}" if a.device == "cuda" else ""))
     for kind in a.kinds.split(","):
         prompts = kinds[kind]
         rows, plain = [], {}
@@ -237,7 +257,8 @@ def _merge(rows: list[Row]) -> Row:
     return Row(r0.name, r0.batch, r0.k, tokens, sum(r.seconds for r in rows),
                sum(r.acceptance * x for r, x in zip(rows, w)), sum(r.mean_len * x for r, x in zip(rows, w)),
                sum(r.c * x for r, x in zip(rows, w)),
-               None if r0.identical is None else all(r.identical for r in rows))
+               None if r0.identical is None else all(r.identical for r in rows),
+               *(sum(getattr(r, f) for r in rows) for f in ("rounds", "draft_s", "target_s", "round_s")))
 
 
 if __name__ == "__main__":

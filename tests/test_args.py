@@ -34,12 +34,12 @@ def test_default_is_the_models_own_limit(short_dir):
 def test_default_is_capped_by_the_cache_budget(long_dir):
     # tiny target: 2 layers x (k, v) x 2 kv heads x 16 head dims = 128 values per token per slot
     budget = 2**20  # 1 MiB for 8 x 2 = 16 slots
-    f32 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30)
+    f32 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, dtype="float32")
     assert f32.max_model_len == budget // (128 * 4 * 16) // 16 * 16 == 128
     bf16 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, dtype="bfloat16")
     assert bf16.max_model_len == 256  # half the bytes per token: twice the positions
     fewer_slots = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, max_batch_size=2,
-                            lanes_per_target=1)
+                            lanes_per_target=1, dtype="float32")
     assert fewer_slots.max_model_len == 1024
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         _resolved(target=str(long_dir), kv_cache_memory_gib=1e-6)
@@ -54,3 +54,22 @@ def test_explicit_value_is_kept_and_checked(short_dir):
 def test_configs_need_the_resolved_value(short_dir):
     with pytest.raises(ValueError, match="validate_models"):
         AppArgs(target=str(short_dir), proposer="ngram").target_config()
+
+
+@pytest.mark.parametrize("flags, device, expected", [
+    ("fpu sse avx512f avx512_bf16 avx512_vnni", "cpu", "bfloat16"),
+    ("fpu sse avx512f amx_bf16 amx_tile", "cpu", "bfloat16"),
+    ("fpu sse avx2 avx512f avx512_vnni", "cpu", "float32"),  # oneDNN would emulate bf16: slower
+    ("fpu sse avx2", "cuda", "bfloat16"),
+])
+def test_auto_dtype_is_bfloat16_where_it_is_native(monkeypatch, tmp_path, flags, device, expected):
+    import builtins
+    from specdec import loader
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(cpuinfo if f == "/proc/cpuinfo" else f, *a, **k))
+    assert loader.fast_dtype(device) == expected
+    a = AppArgs(proposer="ngram", device=device)  # dtype defaults to "auto"
+    assert a.dtype == expected
+    assert AppArgs(proposer="ngram", device=device, dtype="float32").dtype == "float32"  # an explicit choice stays
