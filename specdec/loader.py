@@ -170,13 +170,16 @@ def resolve_extra(spec: str | os.PathLike) -> dict:
 
 
 def fast_dtype(device: str = "cpu") -> str:
-    """The dtype to run on `device` when the user does not choose: bfloat16 on GPUs and on CPUs
-    with native bfloat16 instructions (avx512_bf16 or AMX: there a bf16 step is ~1.7x faster than
-    a float32 one and a 5-position verification costs about one step, BENCHMARKS.md), float32
-    elsewhere (without them oneDNN emulates bf16 and it is slower). Position-invariant attention
-    keeps bf16 speculative greedy output equal to bf16 plain greedy output (specdec/model.py)."""
-    if device == "cuda":
-        return "bfloat16"
+    """The dtype to run on `device` when the user does not choose: bfloat16 on CPUs with native
+    bfloat16 instructions (avx512_bf16 or AMX: there a bf16 step is ~1.7x faster than a float32
+    one and a 5-position verification costs about one step, BENCHMARKS.md), where
+    position-invariant attention keeps bf16 speculative greedy output equal to bf16 plain greedy
+    output (specdec/model.py, tested); float32 elsewhere: on CPUs without them oneDNN emulates
+    bf16 and is slower, and on CUDA the GEMM kernels still change with the row count, so bf16
+    speculative and plain greedy outputs differed at batch 8 (measured on an H200,
+    BENCHMARKS.md); there pass dtype=bfloat16 to trade that for speed."""
+    if device != "cpu":
+        return "float32"
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
