@@ -25,6 +25,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k_max
     adaptive: bool = True
     speculate: bool = True
+    plain_steps: int = 1  # tokens per row of a round without drafts (see SchedulerConfig)
 
 
 class LLMEngine:
@@ -41,7 +42,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(self.cfg.max_batch_size, self.max_model_len, self.cfg.num_speculative_tokens,
                             speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
-                            features=features),
+                            features=features, plain_steps=self.cfg.plain_steps),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
 
     @property

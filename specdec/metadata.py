@@ -34,8 +34,13 @@ class SpecBatch(Wire):
     temperature: Tensor  # [B] float32, 0 = greedy
     top_k: Tensor  # [B] long, 0 = off
     top_p: Tensor  # [B] float32
-    uniforms: Tensor  # [B, 3, K+1] float64, see U_* above
+    uniforms: Tensor  # [B, 3, K+1] float64, see U_* above; [B, 3, max(steps)] for a multi-step round
     release: list[int] = field(default_factory=list)  # sequences to forget before this round
+    # Multi-step plain round (no row drafts): row i decodes up to steps[i] tokens in this one call,
+    # step j drawing with uniforms[i, :, j], and stops early at a token of stop_ids[i]; the same
+    # tokens as steps[i] separate plain rounds, one call's hops for all of them
+    steps: list[int] | None = None
+    stop_ids: list[list[int]] | None = None
     features: list[tuple[int, Tensor] | None] | None = None  # per row (first position, [n, hidden])
     # of target features the proposer has not been sent yet (EAGLE-style drafts only)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
@@ -78,4 +83,5 @@ class VerifyOutput(Wire):
     target_time: float = 0.0  # seconds in the target's forward + sampling
     hidden: list[Tensor] | None = None  # per row [n, hidden]: target features for EAGLE-style drafts
     hidden_start: list[int] | None = None  # per row: position of hidden[i][0]
+    steps: int = 1  # target forwards this call ran (a multi-step plain round: more than one)
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call

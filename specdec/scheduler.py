@@ -31,6 +31,9 @@ class SchedulerConfig:
     speculate: bool = True  # False: plain decoding (k = 0 for every row)
     adaptive: bool = True  # False: every row uses k_max unless the request says otherwise
     features: bool = False  # pass the target's features to the proposer (EAGLE-style drafts)
+    plain_steps: int = 1  # a round where no row drafts decodes up to this many tokens per row in
+    # one target call (the service: the call's hops paid once for all of them), the same tokens
+    # as that many plain rounds
 
 
 @dataclass
@@ -134,9 +137,15 @@ class Scheduler:
         throttle = self.cfg.speculate and self.cfg.adaptive and not calibrate and self.cost.throttle(B)
         ks = [self.choose_k(s, B, calibrate, throttle) for s in seqs]
         K = max(ks)
-        uniforms = torch.zeros(len(seqs), 3, K + 1, dtype=torch.float64)
+        steps = self._plain_steps(seqs, prefill) if K == 0 else None
+        uniforms = torch.zeros(len(seqs), 3, max(steps or [K + 1]), dtype=torch.float64)
         for i, (s, k) in enumerate(zip(seqs, ks)):
-            if not s.params.greedy:  # keyed by (seed, position): independent of batch and retries
+            if s.params.greedy:
+                continue
+            if steps:  # step j draws as the plain round at position len + j would
+                for j in range(steps[i]):
+                    uniforms[i, :, j] = round_uniforms(s.base_seed, len(s.tokens) + j, 0)[:, 0]
+            else:  # keyed by (seed, position): independent of batch and retries
                 uniforms[i, :, : k + 1] = round_uniforms(s.base_seed, len(s.tokens), k)
         batch = SpecBatch(
             seq_ids=[s.seq_id for s in seqs],
@@ -149,8 +158,19 @@ class Scheduler:
             uniforms=uniforms,
             release=self.take_releases(),
             features=[s.pending_features() for s in seqs] if self.cfg.features else None,
+            steps=steps,
+            stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
         )
         return RoundPlan(seqs, batch, prefill)
+
+    def _plain_steps(self, seqs: list[Sequence], prefill: bool) -> list[int] | None:
+        """Tokens per row of a multi-step plain round, or None for one step: not while a prompt
+        is prefilled (its first token comes back at once) or sequences wait to join the batch."""
+        n = self.cfg.plain_steps
+        if n <= 1 or prefill or self.waiting:
+            return None
+        steps = [max(1, min(n, s.remaining)) for s in seqs]
+        return steps if max(steps) > 1 else None
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
@@ -184,13 +204,19 @@ class Scheduler:
             s.proposed += k
             s.accepted += m
             s.rounds += 1
+            if k == 0 and len(emitted) > 1:  # a multi-step plain round: one plain round per token
+                for _ in emitted:
+                    s.adaptive.update(0, 0, 0)
+                    self.stats.observe_row(0, 0, 1)
+                continue
             s.adaptive.update(plan.draft_batch.num_draft[i], k, m)
             self.cost.observe_acceptance(k, m)
             self.stats.observe_row(k, m, len(emitted))
         self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
         # wall times as the loop paid them (in the service they include the deployment hops)
         if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
-            self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps, target_time, len(seqs))
+            self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,
+                              target_time / verify.steps, len(seqs))  # t(B, K): per target forward
             self.cost.observe_throughput(len(seqs), drafted and any(draft.num_draft),
                                          sum(len(t) for t in verify.tokens), round_time)
         done = [s for s in seqs if s.finished]

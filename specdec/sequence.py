@@ -76,6 +76,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def stop_token_set(self) -> list[int]:
+        """Token ids that end this sequence (EOS unless ignore_eos, and its stop_token_ids)."""
+        eos = set() if self.params.ignore_eos else set(self.eos_token_ids)
+        return sorted(eos | self.stop_ids)
+
     @property
     def remaining(self) -> int:
         """Tokens this sequence may still emit."""

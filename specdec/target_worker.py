@@ -49,42 +49,59 @@ class TargetWorker:
             else:
                 rows.append(i)
                 states.append(st)
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        n_acc_out = [0] * B
-        hidden_out = [None] * B if self.return_hidden else None
-        hidden_start = [0] * B
+        out = VerifyOutput([[] for _ in range(B)], [0] * B, unknown, 0.0,
+                           [None] * B if self.return_hidden else None, [0] * B)
         if rows:
             K = draft.tokens.shape[1]
             num_draft = [draft.num_draft[i] for i in rows]
             drafts = [draft.tokens[i, : num_draft[r]].tolist() for r, i in enumerate(rows)]
-            for st in states:  # always feed at least the last confirmed token
-                st.cached = min(st.cached, len(st.tokens) - 1)
-            feeds = [st.tokens[st.cached:] + d for st, d in zip(states, drafts)]
-            starts = [st.cached for st in states]
-            for st, f, i in zip(states, feeds, rows):
-                if st.cached + len(f) > self.max_model_len:
-                    raise CacheFullError(f"sequence {batch.seq_ids[i]} exceeds max_model_len "
-                                         f"{self.max_model_len}")
-            n_conf = [len(f) - len(d) for f, d in zip(feeds, drafts)]  # confirmed tokens fed per row
-            res = run_ragged(self.model, feeds, [st.slot for st in states], starts,
-                             [n + 1 for n in num_draft], return_hidden=self.return_hidden,
-                             n_hidden=[len(f) for f in feeds])
-            logits_rows, hidden_rows = res if self.return_hidden else (res, None)
-            logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
-            for r, lg in enumerate(logits_rows):
-                logits[r, : lg.shape[0]] = lg
             idx = torch.tensor(rows)
             probs = None if draft.probs is None else DraftProbs(draft.probs.ids[idx], draft.probs.vals[idx])
-            out, n_acc = rejection_sample(
-                logits, draft.tokens[idx], torch.tensor(num_draft), probs, batch.temperature[idx],
-                batch.top_k[idx], batch.top_p[idx], batch.uniforms[idx][:, 1:, : K + 1])
-            for r, (i, st) in enumerate(zip(rows, states)):
-                m = int(n_acc[r])
-                emitted = out[r, : m + 1].tolist()
-                st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts
-                st.tokens.extend(emitted)
-                tokens[i], n_acc_out[i] = emitted, m
-                if hidden_rows is not None:  # features of every position now confirmed but the last
-                    hidden_out[i] = hidden_rows[r][: n_conf[r] + m].cpu()  # crosses processes: host memory
-                    hidden_start[i] = starts[r]
-        return VerifyOutput(tokens, n_acc_out, unknown, time.perf_counter() - t0, hidden_out, hidden_start)
+            self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, 0, out)
+            for j in range(1, max(batch.steps or [1])):  # a multi-step plain round: step j
+                go = [(i, st) for i, st in zip(rows, states)
+                      if j < batch.steps[i] and out.tokens[i][-1] not in batch.stop_ids[i]]
+                if not go:
+                    break
+                empty = torch.zeros(len(go), 0, dtype=torch.long)
+                self._pass(batch, [i for i, _ in go], [st for _, st in go], [[]] * len(go), empty, None, 0, j, out)
+                out.steps += 1
+        out.target_time = time.perf_counter() - t0
+        return out
+
+    def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
+              probs: DraftProbs | None, K: int, step: int, out: VerifyOutput) -> None:
+        """One target forward over `rows` (batch indices; their slot states, drafts) and the
+        rejection sampler with the uniforms of column `step` on; appends to `out`."""
+        for st in states:  # always feed at least the last confirmed token
+            st.cached = min(st.cached, len(st.tokens) - 1)
+        feeds = [st.tokens[st.cached:] + d for st, d in zip(states, drafts)]
+        starts = [st.cached for st in states]
+        for st, f, i in zip(states, feeds, rows):
+            if st.cached + len(f) > self.max_model_len:
+                raise CacheFullError(f"sequence {batch.seq_ids[i]} exceeds max_model_len {self.max_model_len}")
+        n_conf = [len(f) - len(d) for f, d in zip(feeds, drafts)]  # confirmed tokens fed per row
+        num_draft = [len(d) for d in drafts]
+        res = run_ragged(self.model, feeds, [st.slot for st in states], starts, [n + 1 for n in num_draft],
+                         return_hidden=self.return_hidden, n_hidden=[len(f) for f in feeds])
+        logits_rows, hidden_rows = res if self.return_hidden else (res, None)
+        logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
+        for r, lg in enumerate(logits_rows):
+            logits[r, : lg.shape[0]] = lg
+        idx = torch.tensor(rows)
+        tokens, n_acc = rejection_sample(
+            logits, draft_tokens, torch.tensor(num_draft), probs, batch.temperature[idx],
+            batch.top_k[idx], batch.top_p[idx], batch.uniforms[idx][:, 1:, step: step + K + 1])
+        for r, (i, st) in enumerate(zip(rows, states)):
+            m = int(n_acc[r])
+            emitted = tokens[r, : m + 1].tolist()
+            st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts
+            st.tokens.extend(emitted)
+            out.tokens[i] += emitted
+            out.num_accepted[i] += m
+            if hidden_rows is not None:  # features of every position now confirmed but the last
+                h = hidden_rows[r][: n_conf[r] + m].cpu()  # crosses processes: host memory
+                if step == 0:
+                    out.hidden[i], out.hidden_start[i] = h, starts[r]
+                else:
+                    out.hidden[i] = torch.cat([out.hidden[i], h])

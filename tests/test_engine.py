@@ -17,13 +17,14 @@ def tiny(tiny_dir, tiny_draft_dir, tiny_tok):
     return load_model(tiny_dir), load_model(tiny_draft_dir), tiny_tok
 
 
-def make_engine(target, proposer_kind, draft=None, tok=None, k=4, adaptive=False, batch=8, speculate=True):
+def make_engine(target, proposer_kind, draft=None, tok=None, k=4, adaptive=False, batch=8, speculate=True,
+                plain_steps=1):
     tw = TargetWorker(target, num_slots=batch, max_model_len=512)
     prop = {"none": None, "ngram": lambda: NgramProposer(),
             "draft": lambda: DraftModelProposer(draft, num_slots=batch, max_model_len=512)}[proposer_kind]
     return LLMEngine(tw, prop() if prop else None, tok,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
-                                  speculate=speculate))
+                                  speculate=speculate, plain_steps=plain_steps))
 
 
 def greedy(n=32, **kw):
@@ -80,6 +81,46 @@ def test_k0_is_plain_decoding(tiny):
     out = outputs(eng, p, greedy(num_speculative_tokens=0))
     assert eng.stats.proposed == 0 and eng.stats.rounds == 32
     assert out == outputs(make_engine(target, "none", tok=tok), p, greedy())
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_multi_step_plain_rounds_emit_what_single_steps_emit(tiny, n):
+    """plain_steps=n: a round without drafts decodes n tokens per row in one target call. Greedy
+    and seeded sampled outputs equal one-step rounds' token for token (uniforms keyed by position),
+    rows stop at their own EOS / stop id / max_tokens inside a call, and the calls are fewer."""
+    target, _, tok = tiny
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    params = [greedy(17), SamplingParams(max_tokens=23, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, top_k=20, seed=3, ignore_eos=True)]
+    one = make_engine(target, "none", tok=tok, batch=3)
+    ref = [s.output_ids for s in one.generate(prompts, params)]
+    multi = make_engine(target, "none", tok=tok, batch=3, plain_steps=n)
+    seqs = multi.generate(prompts, params)
+    assert [s.output_ids for s in seqs] == ref
+    assert [s.num_output for s in seqs] == [17, 23, 20] and all(s.finish_reason == "length" for s in seqs)
+    assert multi.stats.rounds < one.stats.rounds  # fewer target calls ...
+    assert multi.stats.mean_accepted_length == 1.0  # ... each token still counted as a plain round's
+    stop = ref[0][9]  # a stop id inside a call: the output ends right there, nothing after it
+    seq = make_engine(target, "none", tok=tok, plain_steps=n).generate(prompts[:1], greedy(17, stop_token_ids=[stop]))[0]
+    assert seq.output_ids == ref[0][: ref[0].index(stop) + 1] and seq.finish_reason == "stop"
+
+
+def test_multi_step_round_stops_a_row_at_its_stop_token_inside_the_call(tiny):
+    """The target ends a row's steps at a token of its stop ids (no decoding past EOS)."""
+    target, _, tok = tiny
+    p = [tok(PROMPTS[1]).input_ids]
+    ref = outputs(make_engine(target, "none", tok=tok), p, greedy(12))[0]
+    stop = ref[4]
+    eng = make_engine(target, "none", tok=tok, plain_steps=8)
+    calls = []
+    verify = eng.target.verify
+    eng.target.verify = lambda b, d: calls.append(verify(b, d)) or calls[-1]
+    seq = eng.generate(p, greedy(12, stop_token_ids=[stop]))[0]
+    assert seq.output_ids == ref[: ref.index(stop) + 1] and seq.finish_reason == "stop"
+    first = ref.index(stop)
+    assert first > 0  # the prompt's fixture output: the stop comes after the prefill's token
+    assert [c.steps for c in calls] == [1, first]  # prefill, then steps up to the stop (of 8)
+    assert sum(len(c.tokens[0]) for c in calls) == seq.num_output
 
 
 def test_stop_token_inside_accepted_run(tiny):

@@ -158,7 +158,7 @@ def test_non_streaming_client_timeout_frees_slots(draft_app):
     url, model = draft_app
     body = {"model": model, "prompt": "def long(", "max_tokens": 450, "n": 3, **GREEDY}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.25))
     assert_idle("fdraft", url, timeout_s=30)
 
 
