@@ -35,9 +35,9 @@ QUESTIONS = ["Why do leaves change colour in autumn?", "How should I prepare for
              "What makes a good short story?", "How do airplanes stay in the air?"]
 
 
-async def one(client, url, model, q, max_tokens, spec: bool):
+async def one(client, url, model, q, max_tokens, spec: bool, temperature: float = 0.0):
     body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+            "temperature": temperature, "stream": True, "ignore_eos": True}
     if not spec:
         body["num_speculative_tokens"] = 0
     t0 = time.perf_counter()
@@ -54,12 +54,12 @@ async def one(client, url, model, q, max_tokens, spec: bool):
     return t0, times, max_tokens
 
 
-async def level(url, model, concurrency, requests, max_tokens, spec, bar):
+async def level(url, model, concurrency, requests, max_tokens, spec, bar, temperature: float = 0.0):
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
         async def task(i):
             async with sem:
-                res = await one(client, url, model, QUESTIONS[i % len(QUESTIONS)], max_tokens, spec)
+                res = await one(client, url, model, QUESTIONS[i % len(QUESTIONS)], max_tokens, spec, temperature)
                 bar.update()
                 return res
         t0 = time.perf_counter()
@@ -71,9 +71,9 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar):
     return {"tps": tokens / wall, "ttft": statistics.median(ttft), "itl": statistics.median(itl)}
 
 
-def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int) -> dict:
-    """Greedy chat on QUESTIONS[:n_prompts] in process, `batch` at a time (after a short warm-up):
-    tokens/s, and target forward ms and round ms per round."""
+def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int, temperature: float = 0.0) -> dict:
+    """Chat on QUESTIONS[:n_prompts] in process (greedy, or sampled at `temperature`), `batch` at a
+    time (after a short warm-up): tokens/s, and target forward ms and round ms per round."""
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
@@ -83,14 +83,15 @@ def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: in
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
     rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time
     t0 = time.perf_counter()
-    eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
     wall = time.perf_counter() - t0
     n = max(1, eng.stats.rounds - rounds0)
     return {"tps": n_prompts * max_tokens / wall, "target_ms": (eng.stats.target_time - target0) / n * 1e3,
             "round_ms": (eng.stats.round_time - round0) / n * 1e3}
 
 
-def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=4) -> tuple[float, float]:
+def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=4,
+                     temperature: float = 0.0) -> tuple[float, float]:
     """In-process tokens/s at batch 1 on the same prompts, same threads as a replica (all cores):
     (adaptive with the service's proposer, plain)."""
     import torch
@@ -102,8 +103,8 @@ def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=
     tok, model = load_tokenizer(target), load_model(target, dtype=parse_dtype(dtype))
     prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),
                           num_slots=1, max_model_len=2048)
-    spec = run_engine(tok, TargetWorker(model, 1, 2048), prop, 1, n_prompts, max_tokens)["tps"]
-    plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens)["tps"]
+    spec = run_engine(tok, TargetWorker(model, 1, 2048), prop, 1, n_prompts, max_tokens, temperature)["tps"]
+    plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens, temperature)["tps"]
     return spec, plain
 
 
@@ -130,7 +131,10 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=0, help="per level (default: 2 x concurrency, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled requests (unseeded)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every level (each ratio from one run)")
+    ap.add_argument("--warmup", type=int, default=2, help="requests per mode before measuring (a fresh "
+                    "router's first rounds calibrate the adaptive cost model; 0: measure them too)")
     ap.add_argument("--no-engine", action="store_true")
     a = ap.parse_args(argv)
     if a.dtype == "auto":
@@ -141,13 +145,15 @@ def main(argv=None):
     args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})
     url = a.url or start_local(args)
     n_req = {c: a.requests or max(4, 2 * c) for c in levels}
-    bar = tqdm(total=2 * a.repeats * sum(n_req.values()), desc="http bench")
+    bar = tqdm(total=2 * a.repeats * sum(n_req.values()) + 2 * a.warmup, desc="http bench")
+    for spec in (False, True):  # warm-up, not measured: a fresh router calibrates its cost model
+        asyncio.run(level(url, a.model, 1, a.warmup, a.max_tokens, spec, bar, a.temperature))
     rows = []
     for rep in range(a.repeats):
         for c in levels:
             for spec in (False, True):  # interleaved: each ratio compares neighbouring measurements
                 before = httpx.get(f"{url}/stats", timeout=30).json()
-                r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar))
+                r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar, a.temperature))
                 after = httpx.get(f"{url}/stats", timeout=30).json()
                 prop = after["proposed"] - before["proposed"]
                 acc = (after["accepted"] - before["accepted"]) / prop if prop else 0.0
@@ -162,8 +168,10 @@ def main(argv=None):
                      if v is not None})
     base = plain = None
     if not a.no_engine:
-        base, plain = engine_baselines(a.target, a.dtype, a.max_tokens, app.proposer, app.draft)
-    print(f"\n{a.model} via {url} (proposer {app.proposer}), greedy streaming chat, {a.max_tokens} tokens, {a.dtype}")
+        base, plain = engine_baselines(a.target, a.dtype, a.max_tokens, app.proposer, app.draft,
+                                       temperature=a.temperature)
+    how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
+    print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat, {a.max_tokens} tokens, {a.dtype}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
           "round ms (draft / target / other) | spec/off |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -59,6 +59,7 @@ class AppArgs(BaseModel):
     max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of a router's running rows one request (its n samples, its prompts) may hold; its other sequences wait while other requests run.")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
     num_threads: NumThreads = 0
+    draft_threads: int = Field(1, ge=0, description="torch threads of a draft replica (0: like num_threads). One by default: the draft's forwards are small, and where it shares cores with the target, a second OpenMP team spin-waiting between proposals slowed the target's steps by ~10% (bench/round_profile.py, 2 cores).")
     target_cpus: float = Field(0.5, gt=0, description="CPUs per target rank (one placement-group bundle each).")
     draft_cpus: float = Field(0.25, gt=0, description="CPUs per draft replica.")
     router_cpus: float = Field(0.1, gt=0, description="CPUs per router replica.")
@@ -157,7 +158,8 @@ class AppArgs(BaseModel):
             return None
         return DraftConfig(proposer=self.proposer, draft=self.draft, target=self.target,
                            self_draft_layers=self.self_draft_layers, hybrid_ngram_min=self.hybrid_ngram_min,
-                           num_slots=self.max_batch_size * self.total_lanes, **self._runtime())
+                           num_slots=self.max_batch_size * self.total_lanes,
+                           **{**self._runtime(), "num_threads": self.draft_threads or self.num_threads})
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(tokenizer=self.target, model_name=self.served_model_name,

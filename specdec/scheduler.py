@@ -157,7 +157,8 @@ class Scheduler:
             top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
             uniforms=uniforms,
             release=self.take_releases(),
-            features=[s.pending_features() for s in seqs] if self.cfg.features else None,
+            # the draft's features: only when it is called (K > 0); they stay queued meanwhile
+            features=[s.pending_features() for s in seqs] if self.cfg.features and K > 0 else None,
             steps=steps,
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
         )
@@ -177,7 +178,7 @@ class Scheduler:
         plan.prefill = plan.prefill or any(s.target_offset < len(s.tokens) for s in seqs)
         return plan.draft_batch.with_side(
             [s.target_offset for s in seqs], [s.tokens[s.target_offset:] for s in seqs],
-            num_draft=list(draft.num_draft))
+            num_draft=list(draft.num_draft), features=None)  # features are the draft's, not the target's
 
     # ---- commit -----------------------------------------------------------------------------
     def commit(self, plan: RoundPlan, draft: DraftOutput, verify: VerifyOutput, draft_time: float,

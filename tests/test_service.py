@@ -116,6 +116,29 @@ def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
     assert rows / rounds > 1.5  # concurrent requests really shared rounds
 
 
+def test_plain_requests_run_multi_step_rounds_with_one_step_output(tiny_app, tiny_dir, tiny_tok):
+    """Requests without speculation run multi-step plain rounds (plain_steps 4 by default): seeded
+    sampled and greedy text over HTTP equal the in-process engine's one-step rounds, and the
+    router made fewer rounds than tokens."""
+    from specdec.engine import EngineConfig, LLMEngine
+    from specdec.loader import load_model
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+    url, model = tiny_app
+    prompt = [5, 6, 7, 8, 9]
+    cases = [{"temperature": 0.8, "top_p": 0.95, "seed": 5}, {"temperature": 0}]
+    eng = LLMEngine(TargetWorker(load_model(tiny_dir), 1, 512), None, tiny_tok,
+                    EngineConfig(max_batch_size=1, speculate=False, plain_steps=1))
+    refs = [eng.generate([prompt], SamplingParams(max_tokens=21, ignore_eos=True, **c))[0].text for c in cases]
+    before = httpx.get(f"{url}/stats").json()
+    texts = [post(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 21, "ignore_eos": True,
+                                           "num_speculative_tokens": 0, **c}).json()["choices"][0]["text"]
+             for c in cases]
+    after = httpx.get(f"{url}/stats").json()
+    assert texts == refs
+    assert after["rounds"] - before["rounds"] < after["emitted"] - before["emitted"]  # several tokens a call
+
+
 def test_n_samples_and_seeds(tiny_app):
     url, model = tiny_app
     body = {"model": model, "prompt": "def f(", "max_tokens": 6, "temperature": 1.0, "n": 64, "seed": 7}
