@@ -151,7 +151,9 @@ def main(argv=None):
     rows = []
     for rep in range(a.repeats):
         for c in levels:
-            for spec in (False, True):  # interleaved: each ratio compares neighbouring measurements
+            # interleaved, each ratio from neighbouring measurements, the order alternating between
+            # runs (this machine's speed drifts by 10-20% within minutes)
+            for spec in ((False, True) if rep % 2 == 0 else (True, False)):
                 before = httpx.get(f"{url}/stats", timeout=30).json()
                 r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar, a.temperature))
                 after = httpx.get(f"{url}/stats", timeout=30).json()
@@ -175,11 +177,10 @@ def main(argv=None):
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
           "round ms (draft / target / other) | spec/off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    off, ratios = {}, {}
-    for rep, c, spec, r, acc, sp, drafts in rows:
-        if not spec:
-            off[rep, c] = r["tps"]
-        else:
+    off = {(rep, c): r["tps"] for rep, c, spec, r, *_ in rows if not spec}
+    ratios = {}
+    for rep, c, spec, r, acc, sp, drafts in sorted(rows, key=lambda x: x[:3]):
+        if spec:
             ratios.setdefault(c, []).append(r["tps"] / off[rep, c])
         other = sp["round_time"] - sp["draft_time"] - sp["target_time"]
         print(f"| {rep + 1} | {c} | {'adaptive' if spec else 'off'} | {r['tps']:.1f} | {r['ttft'] * 1e3:.0f} | "
