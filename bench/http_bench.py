@@ -35,6 +35,18 @@ QUESTIONS = ["Why do leaves change colour in autumn?", "How should I prepare for
              "What makes a good short story?", "How do airplanes stay in the air?"]
 
 
+# Programming requests, also written for this benchmark (the kind of text where drafts agree more).
+CODING = ["Write a Python function that checks whether a number is prime.",
+          "Write a JavaScript function that removes duplicates from an array.",
+          "How do I sort a list of dictionaries by a key in Python?",
+          "Write a SQL query that counts orders per customer.",
+          "Write a Python class for a simple bank account with deposit and withdraw.",
+          "Show how to read a CSV file with pandas and print the first rows.",
+          "Write a bash script that renames all .txt files in a folder to .md.",
+          "Write a Python function that returns the n-th Fibonacci number iteratively."]
+PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING}
+
+
 async def one(client, url, model, q, max_tokens, spec: bool, temperature: float = 0.0):
     body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "ignore_eos": True}
@@ -54,12 +66,13 @@ async def one(client, url, model, q, max_tokens, spec: bool, temperature: float 
     return t0, times, max_tokens
 
 
-async def level(url, model, concurrency, requests, max_tokens, spec, bar, temperature: float = 0.0):
+async def level(url, model, concurrency, requests, max_tokens, spec, bar, temperature: float = 0.0,
+                questions: list[str] = QUESTIONS):
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
         async def task(i):
             async with sem:
-                res = await one(client, url, model, QUESTIONS[i % len(QUESTIONS)], max_tokens, spec, temperature)
+                res = await one(client, url, model, questions[i % len(questions)], max_tokens, spec, temperature)
                 bar.update()
                 return res
         t0 = time.perf_counter()
@@ -71,15 +84,16 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar, temper
     return {"tps": tokens / wall, "ttft": statistics.median(ttft), "itl": statistics.median(itl)}
 
 
-def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int, temperature: float = 0.0) -> dict:
-    """Chat on QUESTIONS[:n_prompts] in process (greedy, or sampled at `temperature`), `batch` at a
+def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int, temperature: float = 0.0,
+               questions: list[str] = QUESTIONS) -> dict:
+    """Chat on questions[:n_prompts] in process (greedy, or sampled at `temperature`), `batch` at a
     time (after a short warm-up): tokens/s, and target forward ms and round ms per round."""
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
     eng = LLMEngine(worker, proposer, tok, EngineConfig(max_batch_size=batch, max_model_len=worker.max_model_len,
                                                         speculate=proposer is not None))
-    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS[:n_prompts]]
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in questions[:n_prompts]]
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
     rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time
     t0 = time.perf_counter()
@@ -91,7 +105,7 @@ def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: in
 
 
 def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=4,
-                     temperature: float = 0.0) -> tuple[float, float]:
+                     temperature: float = 0.0, questions: list[str] = QUESTIONS) -> tuple[float, float]:
     """In-process tokens/s at batch 1 on the same prompts, same threads as a replica (all cores):
     (adaptive with the service's proposer, plain)."""
     import torch
@@ -103,8 +117,8 @@ def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=
     tok, model = load_tokenizer(target), load_model(target, dtype=parse_dtype(dtype))
     prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),
                           num_slots=1, max_model_len=2048)
-    spec = run_engine(tok, TargetWorker(model, 1, 2048), prop, 1, n_prompts, max_tokens, temperature)["tps"]
-    plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens, temperature)["tps"]
+    spec = run_engine(tok, TargetWorker(model, 1, 2048), prop, 1, n_prompts, max_tokens, temperature, questions)["tps"]
+    plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens, temperature, questions)["tps"]
     return spec, plain
 
 
@@ -132,6 +146,7 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=0, help="per level (default: 2 x concurrency, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled requests (unseeded)")
+    ap.add_argument("--prompts", default="everyday", choices=sorted(PROMPT_SETS), help="which questions")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every level (each ratio from one run)")
     ap.add_argument("--warmup", type=int, default=2, help="requests per mode before measuring (a fresh "
                     "router's first rounds calibrate the adaptive cost model; 0: measure them too)")
@@ -147,7 +162,7 @@ def main(argv=None):
     n_req = {c: a.requests or max(4, 2 * c) for c in levels}
     bar = tqdm(total=2 * a.repeats * sum(n_req.values()) + 2 * a.warmup, desc="http bench")
     for spec in (False, True):  # warm-up, not measured: a fresh router calibrates its cost model
-        asyncio.run(level(url, a.model, 1, a.warmup, a.max_tokens, spec, bar, a.temperature))
+        asyncio.run(level(url, a.model, 1, a.warmup, a.max_tokens, spec, bar, a.temperature, PROMPT_SETS[a.prompts]))
     rows = []
     for rep in range(a.repeats):
         for c in levels:
@@ -155,7 +170,8 @@ def main(argv=None):
             # runs (this machine's speed drifts by 10-20% within minutes)
             for spec in ((False, True) if rep % 2 == 0 else (True, False)):
                 before = httpx.get(f"{url}/stats", timeout=30).json()
-                r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar, a.temperature))
+                r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar, a.temperature,
+                                      PROMPT_SETS[a.prompts]))
                 after = httpx.get(f"{url}/stats", timeout=30).json()
                 prop = after["proposed"] - before["proposed"]
                 acc = (after["accepted"] - before["accepted"]) / prop if prop else 0.0
@@ -171,9 +187,10 @@ def main(argv=None):
     base = plain = None
     if not a.no_engine:
         base, plain = engine_baselines(a.target, a.dtype, a.max_tokens, app.proposer, app.draft,
-                                       temperature=a.temperature)
+                                       temperature=a.temperature, questions=PROMPT_SETS[a.prompts])
     how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
-    print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat, {a.max_tokens} tokens, {a.dtype}")
+    print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat ({a.prompts} questions), "
+          f"{a.max_tokens} tokens, {a.dtype}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
           "round ms (draft / target / other) | spec/off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
