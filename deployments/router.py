@@ -68,7 +68,7 @@ class RouterConfig(BaseModel):
     max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of the rows (max_lanes x max_batch_size) that one request's sequences (its n samples, its prompts) may hold at once; the rest of them wait, so other clients keep being served (runtime).")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: cap of the adaptive k and of per-request k (runtime).")
     adaptive: bool = Field(True, description="Adapt k per sequence to its acceptance (runtime).")
-    plain_steps: int = Field(4, ge=1, le=64, description="A round in which no row drafts decodes up to this many tokens per row in one Target call (one call's hops for all of them; the same tokens as that many plain rounds); a prefill, or sequences waiting to join the lane, make it a one-step round (runtime).")
+    plain_steps: int = Field(8, ge=1, le=64, description="A round in which no row drafts decodes up to this many tokens per row in one Target call (one call's hops for all of them; the same tokens as that many plain rounds); a prefill, or sequences waiting to join the lane, make it a one-step round (runtime).")
     speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
     proposer_has_model: bool = Field(True, description="Drafting costs a model forward (False for n-gram lookup): enters the adaptive cost model.")
     features: bool = Field(False, description="Pass the target's features of confirmed positions to the draft (EAGLE-style drafts).")

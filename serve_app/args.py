@@ -48,7 +48,7 @@ class AppArgs(BaseModel):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round.")
     adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
-    plain_steps: int = Field(4, ge=1, le=64, description="Tokens per row a round without drafts decodes in one Target call (the hops of one call for all of them; output unchanged).")
+    plain_steps: int = Field(8, ge=1, le=64, description="Tokens per row a round without drafts decodes in one Target call (the hops of one call for all of them; output unchanged). A request arriving meanwhile joins after that call.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype. 'auto': bfloat16 on CPUs with native bfloat16 instructions (avx512_bf16, AMX), where bf16 speculation stays greedy-identical; float32 on other CPUs and on GPUs (see specdec.loader.fast_dtype; resolved on the machine that builds the app).")
     device: Device = "cpu"
     max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")

@@ -117,7 +117,7 @@ def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
 
 
 def test_plain_requests_run_multi_step_rounds_with_one_step_output(tiny_app, tiny_dir, tiny_tok):
-    """Requests without speculation run multi-step plain rounds (plain_steps 4 by default): seeded
+    """Requests without speculation run multi-step plain rounds (plain_steps 8 by default): seeded
     sampled and greedy text over HTTP equal the in-process engine's one-step rounds, and the
     router made fewer rounds than tokens."""
     from specdec.engine import EngineConfig, LLMEngine
