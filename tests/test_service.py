@@ -250,6 +250,7 @@ def test_lanes_spread_over_replicas_and_keep_affinity(deploy, ray_cluster, tiny_
     assert stats["target_resyncs"] == 0 and stats["draft_resyncs"] == 0  # affinity held every round
     other = {rid: n - before["rounds_by_target"].get(rid, 0) for rid, n in mid["rounds_by_target"].items()
              if rid != pin1}
-    assert sum(other.values()) >= 5  # the second lane's rounds ran on the other replica
+    # the second lane's rounds (its prefill and 23 tokens, up to plain_steps per round) ran on the other replica
+    assert sum(other.values()) >= 3
     from ray import serve
     serve.delete("affine")
