@@ -19,7 +19,7 @@ plain step, k+1 in a verification). In bfloat16 on CPU they do, by up to ~0.7 lo
 near-ties: SDPA's CPU kernel rounds a query row differently with one and with several queries,
 and matmul kernels pick their blocking by the row count (measured: bench/bf16_invariance.py).
 `Transformer.position_invariant` (default: on for bfloat16/float16) removes both: attention as two
-matmuls with a float32 softmax, the query heads of a key/value head stacked into one matrix padded
+float32 matmuls with a float32 softmax, the query heads of a key/value head stacked into one matrix padded
 to a constant multiple of rows (`ATTN_ROWS`), and a lone one-token step (batch 1, T = 1) padded to
 two positions (the dummy's key/value land one position ahead, are never attended, and are
 overwritten by the next token). With it a position's logits are bit-identical for 1 to 8 positions
@@ -198,7 +198,8 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     The rep = H / Hkv query heads of a key/value head form one matrix of rep * T rows (no copy of
     k/v), padded to a multiple of ATTN_ROWS: CPU matmul kernels pick their blocking by the row
     count, so a constant row count keeps a row's result the same for a plain step and a
-    verification; softmax in float32."""
+    verification. Scores, softmax and the weighted sum are float32 (bf16 scores lost accuracy,
+    tests/test_demo.py)."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     rep = H // Hkv
@@ -207,7 +208,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     qg = q.reshape(B, Hkv, M, D)
     if rows != M:
         qg = torch.cat([qg, qg.new_zeros(B, Hkv, rows - M, D)], dim=2)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float()[:, :, :M]  # [B, Hkv, rep*T, L]
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))[:, :, :M]  # [B, Hkv, rep*T, L]
     scores = scores.view(B, Hkv, rep, T, L) * D ** -0.5
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, Hkv, M, L)
