@@ -3,8 +3,9 @@
     python bench/http_bench.py                       # starts the demo pair on a local Ray cluster
     python bench/http_bench.py --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct
 
-Streaming chat requests (greedy, fixed max_tokens, ignore_eos) at each concurrency level, once
-with the server's adaptive speculation and once with `num_speculative_tokens: 0`. Prints tokens/s,
+Streaming chat requests (greedy, fixed max_tokens, ignore_eos) at each concurrency level, with the
+server's adaptive speculation and with `num_speculative_tokens: 0`, alternating wave by wave (a
+wave: one request per client slot) so that a drifting machine speed falls on both modes alike. Prints tokens/s,
 time to first token, inter-token latency (p50), the acceptance rate from the router's /stats, and
 the in-process engine's tokens/s on the same prompts at batch 1 (service / engine ratio).
 """
@@ -50,8 +51,8 @@ PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING}
 async def one(client, url, model, q, max_tokens, spec: bool, temperature: float = 0.0):
     body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "ignore_eos": True}
-    if not spec:
-        body["num_speculative_tokens"] = 0
+    if spec is not True:  # False: speculation off; an int: that many drafts per round (pinned)
+        body["num_speculative_tokens"] = int(spec)
     t0 = time.perf_counter()
     times, text = [], []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -67,21 +68,47 @@ async def one(client, url, model, q, max_tokens, spec: bool, temperature: float 
 
 
 async def level(url, model, concurrency, requests, max_tokens, spec, bar, temperature: float = 0.0,
-                questions: list[str] = QUESTIONS):
+                questions: list[str] = QUESTIONS, offset: int = 0):
+    """`requests` streaming requests, `concurrency` at a time: tokens, wall seconds, TTFTs, ITLs."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
         async def task(i):
             async with sem:
-                res = await one(client, url, model, questions[i % len(questions)], max_tokens, spec, temperature)
+                res = await one(client, url, model, questions[(offset + i) % len(questions)], max_tokens, spec,
+                                temperature)
                 bar.update()
                 return res
         t0 = time.perf_counter()
         results = await asyncio.gather(*[task(i) for i in range(requests)])
         wall = time.perf_counter() - t0
     tokens = sum(n for _, _, n in results)
-    ttft = [ts[0] - t for t, ts, _ in results if ts]
-    itl = [(ts[-1] - ts[0]) / (n - 1) for t, ts, n in results if len(ts) > 1]
-    return {"tps": tokens / wall, "ttft": statistics.median(ttft), "itl": statistics.median(itl)}
+    return {"tokens": tokens, "wall": wall, "tps": tokens / wall,
+            "ttft": [ts[0] - t for t, ts, _ in results if ts],
+            "itl": [(ts[-1] - ts[0]) / (n - 1) for t, ts, n in results if len(ts) > 1]}
+
+
+STAT_KEYS = ("proposed", "accepted", "rounds", "emitted", "draft_time", "target_time", "round_time")
+
+
+def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature, questions, first_spec: bool):
+    """Speculation off and on at one concurrency level, alternating wave by wave (a wave: one
+    request per client slot, the same questions in both modes), so that both modes see the same
+    machine: this one's speed drifts by 10-30 % within minutes. Returns {spec: measurements}."""
+    out = {s: {"tokens": 0, "wall": 0.0, "ttft": [], "itl": [], **{k: 0.0 for k in STAT_KEYS}}
+           for s in (False, True)}
+    waves = max(1, requests // concurrency)
+    for w in range(waves):
+        for spec in ((first_spec, not first_spec) if w % 2 == 0 else (not first_spec, first_spec)):
+            before = httpx.get(f"{url}/stats", timeout=30).json()
+            r = asyncio.run(level(url, model, concurrency, concurrency, max_tokens, spec, bar, temperature,
+                                  questions, offset=w * concurrency))
+            after = httpx.get(f"{url}/stats", timeout=30).json()
+            o = out[spec]
+            for k in ("tokens", "wall", "ttft", "itl"):
+                o[k] += r[k]
+            for k in STAT_KEYS:
+                o[k] += after[k] - before[k]
+    return out
 
 
 def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int, temperature: float = 0.0,
@@ -159,27 +186,22 @@ def main(argv=None):
     args = {"target": a.target, "dtype": a.dtype, "max_batch_size": max(levels)}
     args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})
     url = a.url or start_local(args)
-    n_req = {c: a.requests or max(4, 2 * c) for c in levels}
+    n_req = {c: c * max(1, (a.requests or max(4, 2 * c)) // c) for c in levels}  # whole waves
     bar = tqdm(total=2 * a.repeats * sum(n_req.values()) + 2 * a.warmup, desc="http bench")
     for spec in (False, True):  # warm-up, not measured: a fresh router calibrates its cost model
         asyncio.run(level(url, a.model, 1, a.warmup, a.max_tokens, spec, bar, a.temperature, PROMPT_SETS[a.prompts]))
     rows = []
     for rep in range(a.repeats):
         for c in levels:
-            # interleaved, each ratio from neighbouring measurements, the order alternating between
-            # runs (this machine's speed drifts by 10-20% within minutes)
-            for spec in ((False, True) if rep % 2 == 0 else (True, False)):
-                before = httpx.get(f"{url}/stats", timeout=30).json()
-                r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar, a.temperature,
-                                      PROMPT_SETS[a.prompts]))
-                after = httpx.get(f"{url}/stats", timeout=30).json()
-                prop = after["proposed"] - before["proposed"]
-                acc = (after["accepted"] - before["accepted"]) / prop if prop else 0.0
-                rounds = after["rounds"] - before["rounds"]
-                split = {k: (after[k] - before[k]) / max(1, rounds) * 1e3
-                         for k in ("draft_time", "target_time", "round_time")}
-                drafts = prop / max(1, after["emitted"] - before["emitted"])
-                rows.append((rep, c, spec, r, acc, split, drafts))
+            pair = paired_level(url, a.model, c, n_req[c], a.max_tokens, bar, a.temperature,
+                                PROMPT_SETS[a.prompts], first_spec=rep % 2 == 1)
+            for spec, m in pair.items():
+                r = {"tps": m["tokens"] / m["wall"], "ttft": statistics.median(m["ttft"]),
+                     "itl": statistics.median(m["itl"])}
+                prop, rounds = m["proposed"], max(1, m["rounds"])
+                acc = m["accepted"] / prop if prop else 0.0
+                split = {k: m[k] / rounds * 1e3 for k in ("draft_time", "target_time", "round_time")}
+                rows.append((rep, c, spec, r, acc, split, prop / max(1, m["emitted"])))
     bar.close()
     from serve_app.args import AppArgs
     app = AppArgs(**{k: v for k, v in (("target", a.target), ("proposer", a.proposer), ("draft", a.draft))

@@ -79,6 +79,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="in-process reference threads")
     ap.add_argument("--app-args", default="{}", help="JSON: extra AppArgs for the local app")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
+    ap.add_argument("--modes", default="off,adaptive", help="off, adaptive, or kN (N drafts per round, pinned)")
     a = ap.parse_args(argv)
     if a.dtype == "auto":
         from specdec.loader import fast_dtype
@@ -87,14 +88,16 @@ def main(argv=None):
     levels = [int(c) for c in a.concurrency.split(",")]
     url = a.url or start_local({"target": a.target, "dtype": a.dtype, **json.loads(a.app_args)})
     n_req = {c: a.requests or max(4, 2 * c) for c in levels}
-    bar = tqdm(total=2 * sum(n_req.values()), desc="round profile")
+    modes = {"off": False, "adaptive": True, **{m: int(m[1:]) for m in a.modes.split(",") if m.startswith("k")}}
+    modes = {m: modes[m] for m in a.modes.split(",")}
+    bar = tqdm(total=len(modes) * sum(n_req.values()), desc="round profile")
     rows = []
     for c in levels:
-        for spec in (False, True):
+        for mode, spec in modes.items():
             before = httpx.get(f"{url}/stats", timeout=30).json()
             r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar))
             after = httpx.get(f"{url}/stats", timeout=30).json()
-            rows.append((c, spec, r, profile_delta(before, after)))
+            rows.append((c, mode, r, profile_delta(before, after)))
     bar.close()
     ref = {} if a.no_engine else {c: in_process(a.target, a.dtype, c, a.max_tokens, a.threads) for c in levels}
 
@@ -102,14 +105,14 @@ def main(argv=None):
     print("| conc. | speculation | round kind | rounds | tok/round | plan | draft call (compute / to / back) | "
           "target call (compute / to / back) | commit | round | http ms/tok | client tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c, spec, r, prof in rows:
+    for c, mode, r, prof in rows:
         all_round = sum(d["round_s"] for d in prof.values())
         all_tokens = sum(d["tokens"] for d in prof.values()) or 1
         http = 1e3 / r["tps"] * c - all_round / all_tokens * 1e3 * c if r["tps"] else 0.0
         for kind, d in sorted(prof.items()):
             n = d["rounds"]
             ms = {f: d[f] / n * 1e3 for f in FIELDS if f.endswith("_s")}
-            print(f"| {c} | {'adaptive' if spec else 'off'} | {kind} | {int(n)} | {d['tokens'] / n:.2f} | "
+            print(f"| {c} | {mode} | {kind} | {int(n)} | {d['tokens'] / n:.2f} | "
                   f"{ms['plan_s']:.1f} | {ms['draft_call_s']:.1f} ({ms['draft_compute_s']:.1f} / "
                   f"{ms['draft_to_s']:.1f} / {ms['draft_back_s']:.1f}) | {ms['target_call_s']:.1f} "
                   f"({ms['target_compute_s']:.1f} / {ms['target_to_s']:.1f} / {ms['target_back_s']:.1f}) | "

@@ -158,3 +158,30 @@ def test_eagle_restarts_after_a_gap(target, prompts):
         eng.step()
     assert [s.output_ids for s in seqs] == ref
     assert eng.stats.proposed > 0
+
+
+def test_training_time_test_unrolls_each_step_on_the_previous_steps_predictions(target):
+    """eagle_loss with draft_steps=3: a third pass reads the second pass's predictions (shifted by
+    one, the first pass's entries as context), masked where no such prediction exists, weighted
+    step2_weight^2; draft_steps 2 is unchanged by it."""
+    from specdec_tools.distill.eagle_train import EagleTrainConfig, _step_loss, eagle_loss
+    draft = make_eagle(target)
+    torch.manual_seed(1)
+    B, T, H = 2, 10, target.args.hidden_size
+    feats, toks = torch.randn(B, T, H), torch.randint(0, 128, (B, T))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    cfg = lambda n: EagleTrainConfig(draft_steps=n, noise=0.0)  # noqa: E731
+    with torch.no_grad():
+        l2, i2 = eagle_loss(draft, feats, toks, mask, cfg(2))
+        l3, i3 = eagle_loss(draft, feats, toks, mask, cfg(3))
+        f_in, f_out = feats[:, :-1], feats[:, 1:]
+        head = draft.lm_head.weight.float()
+        p_t = torch.softmax(f_out @ head.T, -1)
+        g1, kv = draft.forward_train(f_in, toks[:, 1:])
+        g2, _ = draft.forward_train(torch.cat([f_in[:, :1], g1[:, :-1]], 1), toks[:, 1:], context=kv)
+        g3, _ = draft.forward_train(torch.cat([f_in[:, :1], g2[:, :-1]], 1), toks[:, 1:], context=kv)
+        m3 = torch.ones(B, T - 1)
+        m3[:, :2] = 0
+        want, _ = _step_loss(g3, f_out, head, p_t, p_t.argmax(-1), m3, cfg(3).cls_weight)
+    assert "top1_step3" in i3 and "top1_step3" not in i2 and i3["top1_step2"] == i2["top1_step2"]
+    torch.testing.assert_close(l3, l2 + cfg(3).step2_weight ** 2 * want)

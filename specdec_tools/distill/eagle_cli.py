@@ -38,8 +38,9 @@ def add_arguments(p) -> None:
     g.add_argument("--text-tokens", type=int, default=200_000, help="plain-text tokens prefilled for features")
     g.add_argument("--cls-weight", type=float, default=0.5, help="CE weight beside the feature regression")
     g.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features")
-    g.add_argument("--train-steps", type=int, default=2, choices=[1, 2],
-                   help="draft steps trained: 2 adds a pass on the draft's own predicted features")
+    g.add_argument("--train-steps", type=int, default=2, choices=[1, 2, 3, 4],
+                   help="draft steps trained (training-time test): each step past the first adds a "
+                   "pass on the previous step's predicted features")
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
     g.add_argument("--init-draft", help="start from this EAGLE draft's fc and layers (fine-tuning; its "
                    "vocabulary is replaced by the one selected from this run's data)")

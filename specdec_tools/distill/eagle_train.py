@@ -121,7 +121,7 @@ class EagleTrainConfig:
     min_lr_ratio: float = 0.1
     cls_weight: float = 0.5  # CE weight beside the feature regression
     noise: float = 0.1  # U(-noise, noise) added to input features
-    draft_steps: int = 2  # 2: also train the second draft step on the draft's own features
+    draft_steps: int = 2  # > 1: also train draft steps 2.. on the draft's own features
     step2_weight: float = 0.7
     save_minutes: float = 5.0
     seed: int = 0
@@ -135,7 +135,9 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     Step 1: position p reads (f_p, x_{p+1}) and predicts g_p ~ f_{p+1}. With cfg.draft_steps = 2, a
     second pass reads (g_{p-1}, x_{p+1}) -- the draft's own prediction of f_p, as at the second
     draft step of inference -- attending to the first pass's entries before p, and is trained on
-    the same targets (weighted cfg.step2_weight): later draft steps degrade less."""
+    the same targets (weighted cfg.step2_weight): later draft steps degrade less. Each further step
+    j reads step j-1's predictions the same way (its own errors compounded, as at draft step j of
+    inference; the attention context stays the first pass's entries), weighted step2_weight^(j-1)."""
     f_in, f_out = feats[:, :-1].float(), feats[:, 1:].float()
     if train and cfg.noise > 0:
         f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.noise
@@ -145,14 +147,14 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     t_top = p_teacher.argmax(-1)
     g, kv = draft.forward_train(f_in, tokens[:, 1:])  # [B, L-1, hidden] ~ f_1..f_{L-1}
     loss, info = _step_loss(g, f_out, head, p_teacher, t_top, m, cfg.cls_weight)
-    if cfg.draft_steps >= 2:
-        f2 = torch.cat([f_in[:, :1], g[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
-        g2, _ = draft.forward_train(f2, tokens[:, 1:], context=kv)
-        m2 = m.clone()
-        m2[:, 0] = 0  # position 0 has no earlier prediction
-        loss2, info2 = _step_loss(g2, f_out, head, p_teacher, t_top, m2, cfg.cls_weight)
-        loss = loss + cfg.step2_weight * loss2
-        info["top1_step2"] = info2["top1"]
+    prev, m_j = g, m.clone()
+    for j in range(2, cfg.draft_steps + 1):  # training-time test: step j reads step j-1's predictions
+        f_j = torch.cat([f_in[:, :1], prev[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
+        prev, _ = draft.forward_train(f_j, tokens[:, 1:], context=kv)
+        m_j[:, j - 2] = 0  # the first j-1 positions have no step j-1 prediction
+        loss_j, info_j = _step_loss(prev, f_out, head, p_teacher, t_top, m_j, cfg.cls_weight)
+        loss = loss + cfg.step2_weight ** (j - 1) * loss_j
+        info[f"top1_step{j}"] = info_j["top1"]
     return loss, info
 
 
