@@ -78,11 +78,11 @@ class TPWorker:
     def setup_cache(self, num_slots: int, max_len: int) -> None:
         self.model.setup_cache(num_slots, max_len)
 
-    def forward(self, tokens, slots, starts, last, n_logits, n_hidden=0, trace_carrier=None):
+    def forward(self, tokens, slots, starts, last, n_logits, n_hidden=0, trace_carrier=None, sibling=None):
         from deployments.tracing import span
         with span("tp_worker.forward", trace_carrier, rank=self.rank, rows=int(tokens.shape[0])):
             with torch.inference_mode():
-                self.model(tokens, slots, starts, last, n_logits, n_hidden)
+                self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
         return True
 
     def ping(self) -> tuple[int, int]:
@@ -106,10 +106,10 @@ class TPGroupModel:
         self.model.setup_cache(num_slots, max_len)
         ray.get(refs)
 
-    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1, n_hidden: int = 0):
-        cpu = [t.cpu() if torch.is_tensor(t) else t for t in (tokens, slots, starts, last)]
-        refs = [w.forward.remote(*cpu, n_logits, n_hidden, self.trace_carrier) for w in self.workers]
-        out = self.model(tokens, slots, starts, last, n_logits, n_hidden)
+    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1, n_hidden: int = 0, sibling=None):
+        cpu = [t.cpu() if torch.is_tensor(t) else t for t in (tokens, slots, starts, last, sibling)]
+        refs = [w.forward.remote(*cpu[:4], n_logits, n_hidden, self.trace_carrier, cpu[4]) for w in self.workers]
+        out = self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
         ray.get(refs)  # surfaces a dead worker as an exception
         return out
 

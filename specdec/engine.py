@@ -26,6 +26,7 @@ class EngineConfig:
     adaptive: bool = True
     speculate: bool = True
     plain_steps: int = 1  # tokens per row of a round without drafts (see SchedulerConfig)
+    siblings_max_batch: int = 0  # rounds of at most this many rows add a first-draft sibling (see SchedulerConfig)
 
 
 class LLMEngine:
@@ -42,7 +43,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(self.cfg.max_batch_size, self.max_model_len, self.cfg.num_speculative_tokens,
                             speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
-                            features=features, plain_steps=self.cfg.plain_steps),
+                            features=features, plain_steps=self.cfg.plain_steps,
+                            siblings_max_batch=self.cfg.siblings_max_batch),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
 
     @property

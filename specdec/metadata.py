@@ -43,6 +43,8 @@ class SpecBatch(Wire):
     stop_ids: list[list[int]] | None = None
     features: list[tuple[int, Tensor] | None] | None = None  # per row (first position, [n, hidden])
     # of target features the proposer has not been sent yet (EAGLE-style drafts only)
+    siblings: bool = False  # a model proposer adds, for greedy rows, a sibling of the first draft
+    # (its second choice there): the smallest draft tree, verified in the same target forward
     trace_context: dict | None = None  # W3C carrier for tracing across processes
 
     def __len__(self) -> int:
@@ -67,6 +69,7 @@ class DraftOutput(Wire):
     draft_time: float = 0.0  # seconds spent in the proposer's model work
     draft_steps: int = 0  # forward passes the proposer ran
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call
+    sibling: Tensor | None = None  # [B] long: a greedy row's alternative first draft token, -1 none
 
     @classmethod
     def empty(cls, batch_size: int) -> "DraftOutput":
@@ -84,4 +87,5 @@ class VerifyOutput(Wire):
     hidden: list[Tensor] | None = None  # per row [n, hidden]: target features for EAGLE-style drafts
     hidden_start: list[int] | None = None  # per row: position of hidden[i][0]
     steps: int = 1  # target forwards this call ran (a multi-step plain round: more than one)
+    sibling_accepted: int = 0  # rows whose first draft was rejected and its sibling accepted
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call

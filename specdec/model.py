@@ -111,15 +111,28 @@ class BatchIndex:
     kv_len: int  # keys read per row: max over rows of start + T
     mask: Tensor  # [B, 1, T, kv_len] True where a query may attend
     exact: bool = False  # position-invariant attention (see the module docstring)
+    rope_grid: Tensor | None = None  # [B, T] rotary positions where they differ from pos_grid (siblings)
 
     @classmethod
-    def build(cls, slots: Tensor, starts: Tensor, T: int, exact: bool = False) -> "BatchIndex":
+    def build(cls, slots: Tensor, starts: Tensor, T: int, exact: bool = False,
+              sibling: Tensor | None = None) -> "BatchIndex":
+        """sibling [B, 2]: (index s within the row's T tokens, chain length k) of a row's sibling of
+        its first draft, or s = -1. The sibling is written to the cache after the chain (index s)
+        but sits at the first draft's position s - k and does not see the chain's k keys."""
         device = slots.device
         offs = torch.arange(T, device=device)
         pos_grid = starts[:, None] + offs[None, :]  # [B, T]
         kv_len = int(starts.max().item()) + T
         keys = torch.arange(kv_len, device=device)
         mask = keys[None, None, :] <= pos_grid[:, :, None]  # [B, T, kv_len]
+        rope_grid = None
+        if sibling is not None and bool((sibling[:, 0] >= 0).any()):
+            b = (sibling[:, 0] >= 0).nonzero().squeeze(1)
+            s_idx, first = sibling[b, 0], starts[b] + sibling[b, 0] - sibling[b, 1]  # [nb]
+            rope_grid = pos_grid.clone()
+            rope_grid[b, s_idx] = first
+            chain = (keys[None, :] >= first[:, None]) & (keys[None, :] < (starts[b] + s_idx)[:, None])
+            mask[b, s_idx] &= ~chain
         s = slots.tolist()
         contiguous = s == list(range(s[0], s[0] + len(s)))
         return cls(
@@ -130,6 +143,7 @@ class BatchIndex:
             kv_len=kv_len,
             mask=mask[:, None],
             exact=exact,
+            rope_grid=rope_grid,
         )
 
 
@@ -296,14 +310,15 @@ class Transformer(nn.Module):
         scale = self.attention_scaling
         return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
 
-    def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
-        """tokens: [B, T] new tokens; slots, starts: [B]. Returns final-norm features [B, T, hidden]."""
+    def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor, sibling: Tensor | None = None) -> Tensor:
+        """tokens: [B, T] new tokens; slots, starts: [B]; sibling: see `BatchIndex.build`.
+        Returns final-norm features [B, T, hidden]."""
         exact = self.position_invariant
         lone = exact and tokens.numel() == 1  # a one-row matmul takes another kernel: add a dummy position
         if lone:
             tokens = tokens.expand(1, 2)
-        rows = BatchIndex.build(slots, starts, tokens.shape[1], exact)
-        cos, sin = self.rope(rows.pos_grid)
+        rows = BatchIndex.build(slots, starts, tokens.shape[1], exact, sibling)
+        cos, sin = self.rope(rows.pos_grid if rows.rope_grid is None else rows.rope_grid)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, rows)
@@ -311,14 +326,15 @@ class Transformer(nn.Module):
         return h[:, :1] if lone else h
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
-                n_logits: int = 1, n_hidden: int = 0) -> tuple[Tensor, Tensor]:
+                n_logits: int = 1, n_hidden: int = 0, sibling: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run new tokens and return logits of `n_logits` positions per row ending at `last`.
 
         tokens: [B, T]; slots, starts: [B]; last: [B] index (within T) of each row's last real
-        token (default T-1). Returns (logits [B, n_logits, vocab] float32, hidden [B, n, hidden])
-        with n = max(n_logits, n_hidden): features of the last n positions (for EAGLE drafts).
+        token (default T-1); sibling [B, 2]: a draft tree's extra node (`BatchIndex.build`).
+        Returns (logits [B, n_logits, vocab] float32, hidden [B, n, hidden]) with
+        n = max(n_logits, n_hidden): features of the last n positions (for EAGLE drafts).
         """
-        return self.head(self.hidden_states(tokens, slots, starts), last, n_logits, n_hidden)
+        return self.head(self.hidden_states(tokens, slots, starts, sibling), last, n_logits, n_hidden)
 
     def head(self, h: Tensor, last: Tensor | None, n_logits: int, n_hidden: int = 0) -> tuple[Tensor, Tensor]:
         """h: [B, T, hidden] -> (logits of the last n_logits positions up to `last`, their features)."""

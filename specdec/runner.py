@@ -90,12 +90,14 @@ class SlotTable:
 
 def run_ragged(model, feeds: list[list[int]], slots: list[int], starts: list[int],
                n_logits: list[int], return_hidden: bool = False, n_hidden: list[int] | None = None,
-               features: list[Tensor] | None = None):
+               features: list[Tensor] | None = None, siblings: list[int] | None = None):
     """Forward rows of different lengths; returns per-row logits [n_logits[i], V] (and hidden).
 
     feeds[i]: new tokens of row i, written at positions starts[i]... of slot slots[i].
     n_hidden[i]: features returned for row i's last n_hidden[i] positions (default n_logits[i]).
     features[i]: [len(feeds[i]), hidden] input features per token (EAGLE drafts), or None.
+    siblings[i]: k > 0 when the last token of feeds[i] is a sibling of the first of the k drafts
+    before it (a draft tree: same position, does not see the chain), else 0.
     """
     device = model.device
     n_hidden = n_hidden or n_logits
@@ -117,6 +119,9 @@ def run_ragged(model, feeds: list[list[int]], slots: list[int], starts: list[int
                 feats[r, : len(feeds[i])] = features[i]
             kw["features"] = feats.to(device)
         last = torch.tensor([len(feeds[i]) - 1 for i in rows])
+        if siblings is not None and any(siblings[i] for i in rows):
+            kw["sibling"] = torch.tensor([[len(feeds[i]) - 1 if siblings[i] else -1, siblings[i]] for i in rows],
+                                         device=device)
         logits, hidden = model(tokens.to(device), torch.tensor([slots[i] for i in rows], device=device),
                                torch.tensor([starts[i] for i in rows], device=device), last.to(device), n,
                                nh, **kw)

@@ -34,6 +34,8 @@ class SchedulerConfig:
     plain_steps: int = 1  # a round where no row drafts decodes up to this many tokens per row in
     # one target call (the service: the call's hops paid once for all of them), the same tokens
     # as that many plain rounds
+    siblings_max_batch: int = 0  # rounds of at most this many rows verify, beside each greedy
+    # row's chain, a sibling of its first draft (SpecBatch.siblings); 0: chains only
 
 
 @dataclass
@@ -161,6 +163,7 @@ class Scheduler:
             features=[s.pending_features() for s in seqs] if self.cfg.features and K > 0 else None,
             steps=steps,
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
+            siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
         )
         return RoundPlan(seqs, batch, prefill)
 
@@ -214,6 +217,7 @@ class Scheduler:
             self.cost.observe_acceptance(k, m)
             self.stats.observe_row(k, m, len(emitted))
         self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
+        self.stats.sibling_accepted += verify.sibling_accepted
         # wall times as the loop paid them (in the service they include the deployment hops)
         if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,

@@ -57,7 +57,11 @@ class TargetWorker:
             drafts = [draft.tokens[i, : num_draft[r]].tolist() for r, i in enumerate(rows)]
             idx = torch.tensor(rows)
             probs = None if draft.probs is None else DraftProbs(draft.probs.ids[idx], draft.probs.vals[idx])
-            self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, 0, out)
+            sib = None
+            if draft.sibling is not None:  # greedy rows with drafts only (a sampled row keeps its chain)
+                sib = [int(draft.sibling[i]) if num_draft[r] and float(batch.temperature[i]) == 0 else -1
+                       for r, i in enumerate(rows)]
+            self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, 0, out, sib)
             for j in range(1, max(batch.steps or [1])):  # a multi-step plain round: step j
                 go = [(i, st) for i, st in zip(rows, states)
                       if j < batch.steps[i] and out.tokens[i][-1] not in batch.stop_ids[i]]
@@ -70,24 +74,34 @@ class TargetWorker:
         return out
 
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
-              probs: DraftProbs | None, K: int, step: int, out: VerifyOutput) -> None:
+              probs: DraftProbs | None, K: int, step: int, out: VerifyOutput, sib: list[int] | None = None) -> None:
         """One target forward over `rows` (batch indices; their slot states, drafts) and the
-        rejection sampler with the uniforms of column `step` on; appends to `out`."""
+        rejection sampler with the uniforms of column `step` on; appends to `out`.
+
+        sib[r] >= 0: a sibling of row r's first draft (a greedy row), fed after the chain at the
+        first draft's position without seeing the chain. When the chain's first draft is rejected
+        and the target's token there is the sibling, the sibling is accepted and the target's
+        token after it (from the sibling's own logits) is the bonus: two tokens instead of one,
+        the same two that plain greedy decoding emits. Its keys sit after the chain, so the cache
+        keeps only the tokens before it; the next round feeds the sibling again."""
+        sib = sib or [-1] * len(rows)
         for st in states:  # always feed at least the last confirmed token
             st.cached = min(st.cached, len(st.tokens) - 1)
-        feeds = [st.tokens[st.cached:] + d for st, d in zip(states, drafts)]
+        feeds = [st.tokens[st.cached:] + d + ([s] if s >= 0 else []) for st, d, s in zip(states, drafts, sib)]
         starts = [st.cached for st in states]
         for st, f, i in zip(states, feeds, rows):
             if st.cached + len(f) > self.max_model_len:
                 raise CacheFullError(f"sequence {batch.seq_ids[i]} exceeds max_model_len {self.max_model_len}")
-        n_conf = [len(f) - len(d) for f, d in zip(feeds, drafts)]  # confirmed tokens fed per row
+        has_sib = [s >= 0 for s in sib]
+        n_conf = [len(f) - len(d) - h for f, d, h in zip(feeds, drafts, has_sib)]  # confirmed tokens fed per row
         num_draft = [len(d) for d in drafts]
-        res = run_ragged(self.model, feeds, [st.slot for st in states], starts, [n + 1 for n in num_draft],
-                         return_hidden=self.return_hidden, n_hidden=[len(f) for f in feeds])
+        res = run_ragged(self.model, feeds, [st.slot for st in states], starts,
+                         [n + 1 + h for n, h in zip(num_draft, has_sib)], return_hidden=self.return_hidden,
+                         n_hidden=[len(f) for f in feeds], siblings=[n if h else 0 for n, h in zip(num_draft, has_sib)])
         logits_rows, hidden_rows = res if self.return_hidden else (res, None)
         logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
         for r, lg in enumerate(logits_rows):
-            logits[r, : lg.shape[0]] = lg
+            logits[r, : num_draft[r] + 1] = lg[: num_draft[r] + 1]
         idx = torch.tensor(rows)
         tokens, n_acc = rejection_sample(
             logits, draft_tokens, torch.tensor(num_draft), probs, batch.temperature[idx],
@@ -95,12 +109,20 @@ class TargetWorker:
         for r, (i, st) in enumerate(zip(rows, states)):
             m = int(n_acc[r])
             emitted = tokens[r, : m + 1].tolist()
-            st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts
+            taken = has_sib[r] and m == 0 and emitted[0] == sib[r]  # the sibling is the target's token
+            st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts (not a sibling)
+            if taken:
+                emitted.append(int(logits_rows[r][-1].argmax()))
+                m = 1
+                out.sibling_accepted += 1
             st.tokens.extend(emitted)
             out.tokens[i] += emitted
             out.num_accepted[i] += m
             if hidden_rows is not None:  # features of every position now confirmed but the last
-                h = hidden_rows[r][: n_conf[r] + m].cpu()  # crosses processes: host memory
+                h = hidden_rows[r][: n_conf[r] + m]
+                if taken:  # the sibling's feature in place of the first draft's
+                    h = torch.cat([hidden_rows[r][: n_conf[r]], hidden_rows[r][-1:]])
+                h = h.cpu()  # crosses processes: host memory
                 if step == 0:
                     out.hidden[i], out.hidden_start[i] = h, starts[r]
                 else:

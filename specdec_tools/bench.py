@@ -78,10 +78,10 @@ class Row:
         return f"{ms[0]:.1f} ({ms[1]:.1f} / {ms[2]:.1f} / {ms[0] - ms[1] - ms[2]:.1f})"
 
 
-def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True):
+def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0):
     eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
-                                 speculate=proposer is not None and k > 0))
+                                 speculate=proposer is not None and k > 0, siblings_max_batch=siblings))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # fixed length: fair tokens/s
     if warm:
         eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
@@ -101,7 +101,7 @@ def cost_ratio(stats, plain_step: float) -> float:
     return steps / plain_step if plain_step else 0.0
 
 
-def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar) -> list[Row]:
+def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0) -> list[Row]:
     """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured."""
     rows = []
     base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
@@ -111,12 +111,13 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar) -> lis
     for name, make in [("ngram", lambda: NgramProposer())] + [
             (n, (lambda f=f: f(batch))) for n, f in drafts]:
         for k in ks:
-            out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens)
+            out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens, siblings=siblings)
             per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
             rows.append(Row(f"{name}", batch, k, sum(map(len, out)), dt, st.acceptance_rate,
                             st.mean_accepted_length, per_step / plain_step, out == base, **_times(st)))
             bar.update()
-        out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True)
+        out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True,
+                                 siblings=siblings)
         rows.append(Row(f"{name} adaptive", batch, -1, sum(map(len, out)), dt, st.acceptance_rate,
                         st.mean_accepted_length, 0.0, out == base, **_times(st)))
         bar.update()
@@ -181,6 +182,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per kind")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--siblings", type=int, default=0, help="siblings_max_batch: batches up to this size also "
+                    "verify a sibling of each first draft (0: chains only)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -201,18 +204,19 @@ def main(argv=None) -> None:
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
     print(f"target={a.target} dtype={a.dtype} device={a.device} max_tokens={a.max_tokens} threads={torch.get_num_threads()}"
+          f" siblings_max_batch={a.siblings}"
           + (f" gpu={torch.cuda.get_device_name()}" if a.device == "cuda" else ""))
     for kind in a.kinds.split(","):
         prompts = kinds[kind]
         rows, plain = [], {}
         for b in batches:
             if b == 1:  # batch 1: the prompts one after another
-                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null()) for p in prompts]
+                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings) for p in prompts]
                 merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
                 bar.update(per_batch)
             else:
                 batch_prompts = (prompts * b)[:b]  # b concurrent sequences (prompts reused if fewer)
-                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar)
+                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar, a.siblings)
             plain[b] = merged[0].tps
             rows += merged
         if not a.no_hf:

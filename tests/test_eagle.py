@@ -185,3 +185,6 @@ def test_training_time_test_unrolls_each_step_on_the_previous_steps_predictions(
         want, _ = _step_loss(g3, f_out, head, p_t, p_t.argmax(-1), m3, cfg(3).cls_weight)
     assert "top1_step3" in i3 and "top1_step3" not in i2 and i3["top1_step2"] == i2["top1_step2"]
     torch.testing.assert_close(l3, l2 + cfg(3).step2_weight ** 2 * want)
+    loss, _ = eagle_loss(draft, feats, toks, mask, cfg(4))  # and it trains: backward through all steps
+    loss.backward()
+    assert draft.fc.weight.grad is not None and bool(draft.fc.weight.grad.abs().sum() > 0)

@@ -85,6 +85,7 @@ class DraftModelProposer(Proposer):
         q_ids = torch.zeros(B, K, J, dtype=torch.long)
         q_vals = torch.zeros(B, K, J)
         num, unknown, states = [0] * B, [], {}
+        sibling = torch.full((B,), -1, dtype=torch.long)
         self._new_round()
         for i in range(B):
             try:
@@ -105,12 +106,25 @@ class DraftModelProposer(Proposer):
             logits = self._step(j, active, sts, batch)
             steps += 1
             ids, qi, qv = self._choose(torch.cat(logits), active, batch, j)
+            if j == 0 and batch.siblings:  # greedy rows: the second choice, verified beside the chain
+                self._siblings(torch.cat(logits), active, batch, sibling)
             for r, (i, st) in enumerate(zip(active, sts)):
                 tokens[i, j], q_ids[i, j], q_vals[i, j] = ids[r], qi[r], qv[r]
                 num[i] = j + 1
                 if j + 1 < batch.num_draft[i]:
                     st.tokens.append(int(ids[r]))  # tentative: fed next step
-        return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0, steps)
+        return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0, steps,
+                           sibling=sibling if batch.siblings else None)
+
+    def _siblings(self, logits: Tensor, rows: list[int], batch: SpecBatch, out: Tensor) -> None:
+        """out[i] = the draft's second most likely first token of each greedy row i (a sampled
+        row's q must stay the distribution its chain was drawn from: no sibling)."""
+        second = logits.topk(2, dim=-1).indices[:, 1].cpu()  # [n]
+        if self.token_map is not None:
+            second = self.token_map[second]
+        for r, i in enumerate(rows):
+            if float(batch.temperature[i]) == 0:
+                out[i] = second[r]
 
     def _new_round(self) -> None:
         """Forget the previous round's per-row scratch state (variants that keep some)."""

@@ -49,6 +49,7 @@ class HybridProposer(Proposer):
         q_ids = torch.zeros(B, K, J, dtype=torch.long)
         q_vals = torch.zeros(B, K, J)
         num = [0] * B
+        sibling = None if md.sibling is None else torch.full((B,), -1, dtype=torch.long)
         for i in range(B):
             if use_ngram[i]:
                 n = num[i] = ng.num_draft[i]
@@ -60,7 +61,9 @@ class HybridProposer(Proposer):
                 n = num[i] = md.num_draft[i]
                 tokens[i, :n] = md.tokens[i, :n]
                 q_ids[i, :n], q_vals[i, :n] = md.probs.ids[i, :n], md.probs.vals[i, :n]
+                if sibling is not None:
+                    sibling[i] = md.sibling[i]
                 self.model_rows += 1
         unknown = sorted(set(md.unknown) | set(ng.unknown))
         return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0,
-                           md.draft_steps)
+                           md.draft_steps, sibling=sibling)

@@ -151,6 +151,7 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     for j in range(2, cfg.draft_steps + 1):  # training-time test: step j reads step j-1's predictions
         f_j = torch.cat([f_in[:, :1], prev[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
         prev, _ = draft.forward_train(f_j, tokens[:, 1:], context=kv)
+        m_j = m_j.clone()  # (not in place: the previous step's loss saved it for backward)
         m_j[:, j - 2] = 0  # the first j-1 positions have no step j-1 prediction
         loss_j, info_j = _step_loss(prev, f_out, head, p_teacher, t_top, m_j, cfg.cls_weight)
         loss = loss + cfg.step2_weight ** (j - 1) * loss_j
