@@ -105,9 +105,10 @@ class DraftModelProposer(Proposer):
             sts = [states[i] for i in active]
             logits = self._step(j, active, sts, batch)
             steps += 1
-            ids, qi, qv = self._choose(torch.cat(logits), active, batch, j)
+            step_logits = torch.cat(logits)  # [n, V_draft]
+            ids, qi, qv = self._choose(step_logits, active, batch, j)
             if j == 0 and batch.siblings:  # greedy rows: the second choice, verified beside the chain
-                self._siblings(torch.cat(logits), active, batch, sibling)
+                self._siblings(step_logits, active, batch, sibling)
             for r, (i, st) in enumerate(zip(active, sts)):
                 tokens[i, j], q_ids[i, j], q_vals[i, j] = ids[r], qi[r], qv[r]
                 num[i] = j + 1
