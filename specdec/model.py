@@ -118,7 +118,7 @@ class BatchIndex:
               sibling: Tensor | None = None) -> "BatchIndex":
         """sibling [B, 2]: (index s within the row's T tokens, chain length k) of a row's sibling of
         its first draft, or s = -1. The sibling is written to the cache after the chain (index s)
-        but sits at the first draft's position s - k and does not see the chain's k keys."""
+        but sits at the first draft's position (starts + s - k) and does not see the chain's k keys."""
         device = slots.device
         offs = torch.arange(T, device=device)
         pos_grid = starts[:, None] + offs[None, :]  # [B, T]

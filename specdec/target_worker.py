@@ -119,9 +119,8 @@ class TargetWorker:
             out.tokens[i] += emitted
             out.num_accepted[i] += m
             if hidden_rows is not None:  # features of every position now confirmed but the last
-                h = hidden_rows[r][: n_conf[r] + m]
-                if taken:  # the sibling's feature in place of the first draft's
-                    h = torch.cat([hidden_rows[r][: n_conf[r]], hidden_rows[r][-1:]])
+                hr = hidden_rows[r]  # a taken sibling's feature (the last) in place of the first draft's
+                h = torch.cat([hr[: n_conf[r]], hr[-1:]]) if taken else hr[: n_conf[r] + m]
                 h = h.cpu()  # crosses processes: host memory
                 if step == 0:
                     out.hidden[i], out.hidden_start[i] = h, starts[r]
