@@ -93,7 +93,10 @@ def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5
 def draft_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     url = deploy("fdraft", {"target": str(tiny_dir), "draft": str(tiny_draft_dir), "proposer": "draft",
                             "max_model_len": 512, "dtype": "float32", "num_speculative_tokens": 3,
-                            "draft_replicas": 2, "batch_wait_timeout_s": 0.05})
+                            "draft_replicas": 2, "batch_wait_timeout_s": 0.05,
+                            # pinned k: the adaptive policy would rightly stop drafting with this random
+                            # draft (acceptance ~0), and the fault must hit a replica that holds lanes
+                            "adaptive": False})
     yield url, tiny_dir.name
     from ray import serve
     serve.delete("fdraft")
