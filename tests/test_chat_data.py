@@ -34,6 +34,34 @@ def test_clean_question(text, topic, want):
     assert chat.clean_question(text, topic) == want
 
 
+def test_self_instruct_asks_again_for_more_questions_and_keeps_the_first(tiny_tok, tmp_path, monkeypatch):
+    """Raising `per_topic` on a cached run asks topics again (fresh seeds, a new attempt) and
+    returns the old questions first, in their old order, so cached answers keep their index."""
+    import re
+    from types import SimpleNamespace
+
+    from specdec_tools.distill import answers
+
+    class FakeEngine:  # writes one question per (topic, seed): "How does <topic> work, case <seed>?"
+        def generate(self, prompts, params):
+            topics = [re.findall(r'about (.+?): "', tiny_tok.decode(p))[-1] for p in prompts]
+            return [SimpleNamespace(output_ids=tiny_tok(f'How does {t} work, case {sp.seed}?"',
+                                                        add_special_tokens=False).input_ids)
+                    for t, sp in zip(topics, params)]
+
+    monkeypatch.setattr(answers, "plain_engine", lambda *a, **k: FakeEngine())
+    path, topics = tmp_path / "q.jsonl", ["chess", "bees"]
+    first = chat.self_instruct(None, tiny_tok, topics, 2, path, batch=8)
+    assert [len(a) for a in first] == [4, 0, 0]
+    again = chat.self_instruct(None, tiny_tok, topics, 2, path, batch=8)
+    assert again == first  # enough questions cached: nothing is asked
+    more = chat.self_instruct(None, tiny_tok, topics, 5, path, batch=8)
+    assert more[0] == first[0] and len(more[1]) == 6 and not more[2]
+    texts = [it.messages[0]["content"] for a in more for it in a]
+    assert len(set(texts)) == len(texts)  # new seeds, no duplicates
+    assert all(json.loads(x)["attempt"] in (0, 1) for x in path.read_text().splitlines())
+
+
 def test_temperatures_and_follow_ups():
     t = _temperatures(40, 0.5)
     assert t.count(0.0) == 20 and t.count(0.7) == 10 and t.count(1.0) == 10

@@ -168,9 +168,12 @@ def clean_question(text: str, topic: str) -> str | None:
 
 
 def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Path, batch: int = 24,
-                  seed: int = 0) -> list[ChatItem]:
+                  seed: int = 0, max_attempts: int = 3) -> list[list[ChatItem]]:
     """Questions the target writes about each topic (sampled at T=0.8, deduplicated, filtered),
-    cached in `path` (jsonl: {"topic", "text"}); topics already in the cache are not asked again."""
+    cached in `path` (jsonl: {"topic", "text", "attempt"}). A topic with fewer than `per_topic`
+    questions is asked again with fresh seeds (at most `max_attempts` times), so raising
+    `per_topic` on a resumed run adds questions and keeps the ones already answered. Returns the
+    questions by attempt (a resumed run appends a new attempt's questions after the old ones)."""
     from tqdm import tqdm
 
     from specdec.prompts import encode_chat
@@ -179,8 +182,14 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
 
     path = Path(path)
     cached = read_jsonl(path)
-    done = {r["topic"] for r in cached}
-    todo = [t for t in topics if t not in done]
+    have: dict[str, list[str]] = {t: [] for t in topics}
+    attempts: dict[str, int] = {t: 0 for t in topics}
+    for r in cached:
+        if r["topic"] in have:
+            attempts[r["topic"]] = max(attempts[r["topic"]], r.get("attempt", 0) + 1)
+            if r["text"]:
+                have[r["topic"]].append(r["text"])
+    todo = [t for t in topics if len(have[t]) < per_topic and attempts[t] < max_attempts]
     if todo:
         prompt = {t: encode_chat(tokenizer, [{"role": "user", "content": INSTRUCT.format(t=t)}])
                   + tokenizer(PREFILL.format(t=t), add_special_tokens=False).input_ids for t in todo}
@@ -192,21 +201,28 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
                 chunk = todo[c: c + max(1, batch // tries)]
                 jobs = [(t, j) for t in chunk for j in range(tries)]
                 params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95,
-                                         seed=seed * 100_003 + zlib.crc32(t.encode()) + j) for t, j in jobs]
+                                         seed=seed * 100_003 + zlib.crc32(t.encode()) + j + 1000 * attempts[t])
+                          for t, j in jobs]
                 seqs = engine.generate([prompt[t] for t, _ in jobs], params)
                 kept: dict[str, list[str]] = {t: [] for t in chunk}
                 for (t, _), s in zip(jobs, seqs):
                     q = clean_question(tokenizer.decode(s.output_ids, skip_special_tokens=True), t)
-                    if q and q.lower() not in {x.lower() for x in kept[t]} and len(kept[t]) < per_topic:
+                    seen = {x.lower() for x in have[t] + kept[t]}
+                    if q and q.lower() not in seen and len(have[t]) + len(kept[t]) < per_topic:
                         kept[t].append(q)
                 for t in chunk:  # a topic with no usable question is still recorded as asked
-                    rows = [{"topic": t, "text": q} for q in kept[t]] or [{"topic": t, "text": None}]
+                    rows = [{"topic": t, "text": q, "attempt": attempts[t]} for q in kept[t]] \
+                        or [{"topic": t, "text": None, "attempt": attempts[t]}]
                     f.write("".join(json.dumps(r) + "\n" for r in rows))
                     cached += rows
                 f.flush()
                 bar.update(len(chunk))
         bar.close()
-    return [_user(r["topic"], "self-instruct", r["text"]) for r in cached if r["text"] and r["topic"] in topics]
+    by_attempt: list[list[ChatItem]] = [[] for _ in range(max_attempts)]
+    for r in cached:
+        if r["text"] and r["topic"] in topics:
+            by_attempt[r.get("attempt", 0)].append(_user(r["topic"], "self-instruct", r["text"]))
+    return by_attempt
 
 
 def follow_ups(items: list[ChatItem], answers: list[str], seed: int = 0) -> list[ChatItem]:

@@ -72,10 +72,13 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
     """Answers to everyday-chat prompts of the training topics (seed tasks, self-instruct
     questions, then second turns), resumable in `work`; returns their answer records."""
     train_topics, _ = chat.split_topics(args.heldout_chat_pct)
-    items = chat.seed_prompts(train_topics, args.seed)
-    items += chat.self_instruct(target, tok, train_topics, args.questions_per_topic, work / "questions.jsonl",
-                                args.gen_batch, args.seed)
+    questions = chat.self_instruct(target, tok, train_topics, args.questions_per_topic, work / "questions.jsonl",
+                                   args.gen_batch, args.seed)
+    items = chat.seed_prompts(train_topics, args.seed) + questions[0]
     random.Random(args.seed).shuffle(items)
+    for a, later in enumerate(questions[1:], 1):  # after the first run's order: cached answers keep their index
+        random.Random(args.seed + a).shuffle(later)
+        items += later
     items = items[: args.chat_answers]
     n_follow = int(args.follow_up_frac * len(items))
     first = items[: len(items) - n_follow]
