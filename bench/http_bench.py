@@ -87,7 +87,8 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar, temper
             "itl": [(ts[-1] - ts[0]) / (n - 1) for t, ts, n in results if len(ts) > 1]}
 
 
-STAT_KEYS = ("proposed", "accepted", "rounds", "emitted", "draft_time", "target_time", "round_time")
+STAT_KEYS = ("proposed", "accepted", "rounds", "emitted", "draft_time", "target_time", "round_time",
+             "lookup_accepted")
 
 
 def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature, questions, first_spec: bool):
@@ -178,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="requests per mode before measuring (a fresh "
                     "router's first rounds calibrate the adaptive cost model; 0: measure them too)")
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--app-args", default="{}", help="JSON: extra AppArgs for the local app (e.g. "
+                    '\'{"lookup_k": 0}\')')
     a = ap.parse_args(argv)
     if a.dtype == "auto":
         from specdec.loader import fast_dtype
@@ -185,6 +188,7 @@ def main(argv=None):
     levels = [int(c) for c in a.concurrency.split(",")]
     args = {"target": a.target, "dtype": a.dtype, "max_batch_size": max(levels)}
     args.update({k: v for k, v in (("proposer", a.proposer), ("draft", a.draft)) if v is not None})
+    args.update(json.loads(a.app_args))
     url = a.url or start_local(args)
     # whole waves; by default at least 4 per mode and run (one wave per mode at 16 measured 0.77-0.94x
     # for identical work on this machine, four waves 1.00-1.05x)
@@ -203,7 +207,8 @@ def main(argv=None):
                 prop, rounds = m["proposed"], max(1, m["rounds"])
                 acc = m["accepted"] / prop if prop else 0.0
                 split = {k: m[k] / rounds * 1e3 for k in ("draft_time", "target_time", "round_time")}
-                rows.append((rep, c, spec, r, acc, split, prop / max(1, m["emitted"])))
+                rows.append((rep, c, spec, r, acc, split, prop / max(1, m["emitted"]),
+                             m["lookup_accepted"] / max(1, m["emitted"])))
     bar.close()
     from serve_app.args import AppArgs
     app = AppArgs(**{k: v for k, v in (("target", a.target), ("proposer", a.proposer), ("draft", a.draft))
@@ -215,17 +220,18 @@ def main(argv=None):
     how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
     print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat ({a.prompts} questions), "
           f"{a.max_tokens} tokens, {a.dtype}")
+    print(f"app args: {args}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
-          "round ms (draft / target / other) | spec/off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "lookup tokens/token | round ms (draft / target / other) | spec/off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     off = {(rep, c): r["tps"] for rep, c, spec, r, *_ in rows if not spec}
     ratios = {}
-    for rep, c, spec, r, acc, sp, drafts in sorted(rows, key=lambda x: x[:3]):
+    for rep, c, spec, r, acc, sp, drafts, looked in sorted(rows, key=lambda x: x[:3]):
         if spec:
             ratios.setdefault(c, []).append(r["tps"] / off[rep, c])
         other = sp["round_time"] - sp["draft_time"] - sp["target_time"]
         print(f"| {rep + 1} | {c} | {'adaptive' if spec else 'off'} | {r['tps']:.1f} | {r['ttft'] * 1e3:.0f} | "
-              f"{r['itl'] * 1e3:.1f} | {acc:.2f} | {drafts:.2f} | {sp['round_time']:.1f} ({sp['draft_time']:.1f} / "
+              f"{r['itl'] * 1e3:.1f} | {acc:.2f} | {drafts:.2f} | {looked:.2f} | {sp['round_time']:.1f} ({sp['draft_time']:.1f} / "
               f"{sp['target_time']:.1f} / {other:.1f}) | {r['tps'] / off[rep, c]:.2f}x |")
     print("\n| concurrency | spec/off per run | median |")
     print("|---|---|---|")

@@ -50,6 +50,8 @@ class AppArgs(BaseModel):
     adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
     plain_steps: int = Field(8, ge=1, le=64, description="Tokens per row a round without drafts decodes in one Target call (the hops of one call for all of them; output unchanged). A request arriving meanwhile joins after that call.")
     siblings_max_batch: int = Field(1, ge=0, description="Rounds of at most this many rows also verify a sibling of each greedy row's first draft (the draft's second choice); 0: chains only.")
+    lookup_k: int = Field(4, ge=0, le=16, description="Multi-step plain rounds: greedy rows also verify up to this many prompt-lookup tokens per step inside the Target call (no Draft call; output unchanged); 0: off.")
+    lookup_max_batch: int = Field(4, ge=0, description="Prompt lookup in rounds of at most this many rows.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype. 'auto': bfloat16 on CPUs with native bfloat16 instructions (avx512_bf16, AMX), where bf16 speculation stays greedy-identical; float32 on other CPUs and on GPUs (see specdec.loader.fast_dtype; resolved on the machine that builds the app).")
     device: Device = "cpu"
     max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
@@ -170,6 +172,7 @@ class AppArgs(BaseModel):
                             max_request_share=self.max_request_share,
                             num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
                             plain_steps=self.plain_steps, siblings_max_batch=self.siblings_max_batch,
+                            lookup_k=self.lookup_k, lookup_max_batch=self.lookup_max_batch,
                             speculate=self.speculate, max_model_len=self._max_len(),
                             proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round
                             features=self.uses_features)

@@ -27,6 +27,8 @@ class EngineConfig:
     speculate: bool = True
     plain_steps: int = 1  # tokens per row of a round without drafts (see SchedulerConfig)
     siblings_max_batch: int = 0  # rounds of at most this many rows add a first-draft sibling (see SchedulerConfig)
+    lookup_k: int = 0  # prompt-lookup tokens per step of multi-step plain rounds (see SchedulerConfig)
+    lookup_max_batch: int = 0
 
 
 class LLMEngine:
@@ -44,7 +46,8 @@ class LLMEngine:
             SchedulerConfig(self.cfg.max_batch_size, self.max_model_len, self.cfg.num_speculative_tokens,
                             speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
                             features=features, plain_steps=self.cfg.plain_steps,
-                            siblings_max_batch=self.cfg.siblings_max_batch),
+                            siblings_max_batch=self.cfg.siblings_max_batch, lookup_k=self.cfg.lookup_k,
+                            lookup_max_batch=self.cfg.lookup_max_batch),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
 
     @property

@@ -43,6 +43,8 @@ class SpecBatch(Wire):
     stop_ids: list[list[int]] | None = None
     features: list[tuple[int, Tensor] | None] | None = None  # per row (first position, [n, hidden])
     # of target features the proposer has not been sent yet (EAGLE-style drafts only)
+    lookup: list[int] | None = None  # a multi-step round: row i also verifies up to lookup[i]
+    # tokens per step found by prompt lookup in its own context (TargetWorker._multi_step)
     siblings: bool = False  # a model proposer adds, for greedy rows, a sibling of the first draft
     # (its second choice there): the smallest draft tree, verified in the same target forward
     trace_context: dict | None = None  # W3C carrier for tracing across processes
@@ -88,4 +90,6 @@ class VerifyOutput(Wire):
     hidden_start: list[int] | None = None  # per row: position of hidden[i][0]
     steps: int = 1  # target forwards this call ran (a multi-step plain round: more than one)
     sibling_accepted: int = 0  # rows whose first draft was rejected and its sibling accepted
+    lookup_proposed: int = 0  # prompt-lookup tokens verified in a multi-step round (all rows)
+    lookup_accepted: int = 0  # of which accepted
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call

@@ -36,6 +36,8 @@ class SchedulerConfig:
     # as that many plain rounds
     siblings_max_batch: int = 0  # rounds of at most this many rows verify, beside each greedy
     # row's chain, a sibling of its first draft (SpecBatch.siblings); 0: chains only
+    lookup_k: int = 0  # multi-step plain rounds of at most `lookup_max_batch` rows: greedy rows
+    lookup_max_batch: int = 0  # verify up to lookup_k prompt-lookup tokens per step (SpecBatch.lookup)
 
 
 @dataclass
@@ -162,6 +164,7 @@ class Scheduler:
             # the draft's features: only when it is called (K > 0); they stay queued meanwhile
             features=[s.pending_features() for s in seqs] if self.cfg.features and K > 0 else None,
             steps=steps,
+            lookup=[self._lookup_k(s) for s in seqs] if steps and B <= self.cfg.lookup_max_batch else None,
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
             siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
         )
@@ -175,6 +178,14 @@ class Scheduler:
             return None
         steps = [max(1, min(n, s.remaining)) for s in seqs]
         return steps if max(steps) > 1 else None
+
+    def _lookup_k(self, seq: Sequence) -> int:
+        """Prompt-lookup tokens a row may verify per step of a multi-step plain round: greedy rows
+        of a speculating scheduler, at most the request's own num_speculative_tokens (0: none)."""
+        req = seq.params.num_speculative_tokens
+        if not (self.cfg.speculate and seq.params.greedy):
+            return 0
+        return self.cfg.lookup_k if req is None else min(req, self.cfg.lookup_k)
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
@@ -218,6 +229,8 @@ class Scheduler:
             self.stats.observe_row(k, m, len(emitted))
         self.stats.observe_round(len(seqs), draft_time, target_time, round_time)
         self.stats.sibling_accepted += verify.sibling_accepted
+        self.stats.lookup_proposed += verify.lookup_proposed
+        self.stats.lookup_accepted += verify.lookup_accepted
         # wall times as the loop paid them (in the service they include the deployment hops)
         if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,

@@ -27,6 +27,8 @@ class SpecStats:
     target_time: float = 0.0
     round_time: float = 0.0  # wall time of whole rounds (draft + target + everything else)
     sibling_accepted: int = 0  # row-rounds whose first draft was rejected and its sibling accepted
+    lookup_proposed: int = 0  # prompt-lookup tokens verified inside multi-step plain rounds (not
+    lookup_accepted: int = 0  # in proposed / accepted: no proposer drafted them; their tokens are)
 
     def observe_row(self, proposed: int, accepted: int, emitted: int) -> None:
         self.row_rounds += 1
@@ -68,7 +70,8 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> None:
         for name in ("rounds", "row_rounds", "spec_row_rounds", "proposed", "accepted", "emitted",
-                     "batch_size_sum", "draft_time", "target_time", "round_time", "sibling_accepted"):
+                     "batch_size_sum", "draft_time", "target_time", "round_time", "sibling_accepted",
+                     "lookup_proposed", "lookup_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.proposed_per_pos), len(other.proposed_per_pos))
         for lst in (self.proposed_per_pos, self.accepted_per_pos):

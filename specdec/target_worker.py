@@ -13,8 +13,12 @@ import time
 import torch
 
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
+from specdec.proposers.ngram import ngram_lookup
 from specdec.rejection_sampler import DraftProbs, rejection_sample
 from specdec.runner import CacheFullError, SlotTable, run_ragged
+
+
+LOOKUP_NGRAM = (2, 4)  # prompt lookup in multi-step plain rounds: suffix n-grams of 2 to 4 tokens
 
 
 class TargetWorker:
@@ -61,22 +65,52 @@ class TargetWorker:
             if draft.sibling is not None:  # greedy rows with drafts only (a sampled row keeps its chain)
                 sib = [int(draft.sibling[i]) if num_draft[r] and float(batch.temperature[i]) == 0 else -1
                        for r, i in enumerate(rows)]
-            self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, 0, out, sib)
-            for j in range(1, max(batch.steps or [1])):  # a multi-step plain round: step j
-                go = [(i, st) for i, st in zip(rows, states)
-                      if j < batch.steps[i] and out.tokens[i][-1] not in batch.stop_ids[i]]
-                if not go:
-                    break
-                empty = torch.zeros(len(go), 0, dtype=torch.long)
-                self._pass(batch, [i for i, _ in go], [st for _, st in go], [[]] * len(go), empty, None, 0, j, out)
-                out.steps += 1
+            if batch.steps is None:
+                u = batch.uniforms[idx][:, 1:, : K + 1]
+                self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, u, out, sib)
+            else:
+                self._multi_step(batch, rows, states, out)
         out.target_time = time.perf_counter() - t0
         return out
 
+    def _multi_step(self, batch: SpecBatch, rows: list[int], states: list, out: VerifyOutput) -> None:
+        """A multi-step plain round: forwards until row i has emitted `steps[i]` tokens or a stop
+        token. With `batch.lookup`, each forward also verifies, for greedy rows, up to that many
+        tokens found by prompt lookup in the row's own context (Saxena 2023): more than one token
+        per forward where the text repeats itself, the same tokens as plain greedy decoding, and
+        no proposer call. Sampled rows emit one token per forward, the j-th drawn with the
+        uniforms of column j, as plain rounds would."""
+        go, j = list(zip(rows, states)), 0
+        while go:
+            drafts = [self._lookup(batch, i, st, len(out.tokens[i])) for i, st in go]
+            K = max(map(len, drafts))
+            tokens = torch.zeros(len(go), K, dtype=torch.long)  # [b, K]
+            for r, d in enumerate(drafts):
+                tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+            u = torch.zeros(len(go), 2, K + 1, dtype=batch.uniforms.dtype)  # [b, 2, K+1]
+            u[:, :, 0] = batch.uniforms[torch.tensor([i for i, _ in go])][:, 1:, j]
+            before = sum(out.num_accepted)
+            self._pass(batch, [i for i, _ in go], [st for _, st in go], drafts, tokens, None, K, u, out)
+            out.lookup_proposed += sum(map(len, drafts))
+            out.lookup_accepted += sum(out.num_accepted) - before
+            j += 1
+            go = [(i, st) for i, st in go if len(out.tokens[i]) < batch.steps[i]
+                  and not any(t in batch.stop_ids[i] for t in out.tokens[i])]
+        out.steps = j
+
+    def _lookup(self, batch: SpecBatch, i: int, st, emitted: int) -> list[int]:
+        """Prompt-lookup drafts for row i of a multi-step round (up to `batch.lookup[i]`: greedy
+        rows only), within what the row may still emit this round and its cache's room."""
+        if not batch.lookup or not batch.lookup[i]:
+            return []
+        room = min(batch.lookup[i], batch.steps[i] - emitted - 1, self.max_model_len - len(st.tokens))
+        return ngram_lookup(st.tokens, room, *LOOKUP_NGRAM) if room > 0 else []
+
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
-              probs: DraftProbs | None, K: int, step: int, out: VerifyOutput, sib: list[int] | None = None) -> None:
+              probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None) -> None:
         """One target forward over `rows` (batch indices; their slot states, drafts) and the
-        rejection sampler with the uniforms of column `step` on; appends to `out`.
+        rejection sampler with `uniforms` ([b, 2, K+1]: accept tests, recovered/bonus draws);
+        appends to `out`.
 
         sib[r] >= 0: a sibling of row r's first draft (a greedy row), fed after the chain at the
         first draft's position without seeing the chain. When the chain's first draft is rejected
@@ -105,7 +139,7 @@ class TargetWorker:
         idx = torch.tensor(rows)
         tokens, n_acc = rejection_sample(
             logits, draft_tokens, torch.tensor(num_draft), probs, batch.temperature[idx],
-            batch.top_k[idx], batch.top_p[idx], batch.uniforms[idx][:, 1:, step: step + K + 1])
+            batch.top_k[idx], batch.top_p[idx], uniforms)
         for r, (i, st) in enumerate(zip(rows, states)):
             m = int(n_acc[r])
             emitted = tokens[r, : m + 1].tolist()
@@ -122,7 +156,7 @@ class TargetWorker:
                 hr = hidden_rows[r]  # a taken sibling's feature (the last) in place of the first draft's
                 h = torch.cat([hr[: n_conf[r]], hr[-1:]]) if taken else hr[: n_conf[r] + m]
                 h = h.cpu()  # crosses processes: host memory
-                if step == 0:
+                if out.hidden[i] is None:  # the call's first forward for this row
                     out.hidden[i], out.hidden_start[i] = h, starts[r]
                 else:
                     out.hidden[i] = torch.cat([out.hidden[i], h])

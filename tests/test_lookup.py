@@ -1,0 +1,87 @@
+"""Prompt lookup inside multi-step plain rounds (specdec.target_worker.TargetWorker._multi_step):
+greedy rows verify n-gram continuations of their own context in the step's forward. The output is
+plain greedy decoding's, token for token (float32 and bfloat16), sampled rows are untouched, and
+the same tokens take fewer target forwards where the text repeats itself."""
+import pytest
+import torch
+
+from specdec.engine import EngineConfig, LLMEngine
+from specdec.loader import load_model
+from specdec.proposers.ngram import NgramProposer
+from specdec.sampling import SamplingParams
+from specdec.target_worker import TargetWorker
+
+PROMPTS = ["a b c a b c a b", "def add(a, b):\n    return a + b\n\ndef add", "import json\nimport os\nimport",
+           "The weather today is"]
+
+
+def engine(target, tok, lookup_k=0, lookup_max_batch=8, batch=4, plain_steps=8):
+    """k_max 0 with a proposer present: every round is a plain one, prompt lookup on when asked."""
+    return LLMEngine(TargetWorker(target, num_slots=batch, max_model_len=256), NgramProposer(), tok,
+                     EngineConfig(max_batch_size=batch, num_speculative_tokens=0, plain_steps=plain_steps,
+                                  lookup_k=lookup_k, lookup_max_batch=lookup_max_batch))
+
+
+def count_forwards(eng):
+    calls = []
+    verify = eng.target.verify
+    eng.target.verify = lambda b, d: calls.append(verify(b, d)) or calls[-1]
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lookup_emits_plain_greedy_tokens_in_fewer_forwards(tiny_dir, tiny_tok, dtype):
+    target = load_model(tiny_dir, dtype=dtype)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = [s.output_ids for s in engine(target, tiny_tok, plain_steps=1).generate(prompts, params)]
+    eng = engine(target, tiny_tok, lookup_k=4)
+    assert [s.output_ids for s in eng.generate(prompts, params)] == ref
+    st = eng.stats
+    assert st.lookup_proposed > 0 and 0 < st.lookup_accepted <= st.lookup_proposed
+    assert st.proposed == 0 and st.accepted == 0  # no proposer drafted: acceptance stays the proposer's
+    # one row at a time: each accepted lookup token saves one target forward
+    plain, one = engine(target, tiny_tok, batch=1), engine(target, tiny_tok, lookup_k=4, batch=1)
+    plain_calls, calls = count_forwards(plain), count_forwards(one)
+    for p, r in zip(prompts, ref):  # one request at a time (a waiting request makes rounds one-step)
+        assert [s.output_ids for s in plain.generate([p], params)] == [r]
+        assert [s.output_ids for s in one.generate([p], params)] == [r]
+    assert one.stats.lookup_accepted > 0
+    assert sum(c.steps for c in calls) == sum(c.steps for c in plain_calls) - one.stats.lookup_accepted
+    assert sum(c.lookup_accepted for c in calls) == one.stats.lookup_accepted
+
+
+def test_lookup_respects_budget_stops_and_sampled_rows(tiny_dir, tiny_tok):
+    """Rows never emit past max_tokens or a stop id inside a call; sampled rows get no lookups and
+    draw exactly what plain rounds draw (seeded); a request's num_speculative_tokens=0 turns it off."""
+    target = load_model(tiny_dir)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=21, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    params = [greedy, sampled, greedy, sampled]
+    ref = [s.output_ids for s in engine(target, tiny_tok, plain_steps=1).generate(prompts, params)]
+    eng = engine(target, tiny_tok, lookup_k=4)
+    seqs = eng.generate(prompts, params)
+    assert [s.output_ids for s in seqs] == ref and [s.num_output for s in seqs] == [37, 21, 37, 21]
+    assert eng.stats.lookup_proposed > 0
+    stop = ref[0][7]
+    seq = engine(target, tiny_tok, lookup_k=4).generate(prompts[:1], SamplingParams(
+        max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert seq.output_ids == ref[0][: ref[0].index(stop) + 1] and seq.finish_reason == "stop"
+    sampled_only = engine(target, tiny_tok, lookup_k=4)
+    sampled_only.generate(prompts, sampled)
+    off = engine(target, tiny_tok, lookup_k=4)
+    off.generate(prompts, SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, num_speculative_tokens=0))
+    assert sampled_only.stats.lookup_proposed == 0 and off.stats.lookup_proposed == 0
+
+
+def test_lookup_only_up_to_its_batch_size(tiny_dir, tiny_tok):
+    target = load_model(tiny_dir)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    big = engine(target, tiny_tok, lookup_k=4, lookup_max_batch=2)
+    big.generate(prompts, params)  # every round holds all 4 rows (they finish together): no lookup
+    small = engine(target, tiny_tok, lookup_k=4, lookup_max_batch=2)
+    small.generate(prompts[:2], params)
+    small.generate(prompts[2:], params)
+    assert big.stats.lookup_proposed == 0 and small.stats.lookup_proposed > 0
