@@ -43,8 +43,10 @@ class SpecBatch(Wire):
     stop_ids: list[list[int]] | None = None
     features: list[tuple[int, Tensor] | None] | None = None  # per row (first position, [n, hidden])
     # of target features the proposer has not been sent yet (EAGLE-style drafts only)
-    lookup: list[int] | None = None  # a multi-step round: row i also verifies up to lookup[i]
-    # tokens per step found by prompt lookup in its own context (TargetWorker._multi_step)
+    lookup: list[int] | None = None  # a multi-step round: row i's steps[i] forwards each also
+    # verify up to lookup[i] tokens found by prompt lookup in its own context, the row emitting up
+    # to budget[i] tokens in all (TargetWorker._multi_step)
+    budget: list[int] | None = None
     siblings: bool = False  # a model proposer adds, for greedy rows, a sibling of the first draft
     # (its second choice there): the smallest draft tree, verified in the same target forward
     trace_context: dict | None = None  # W3C carrier for tracing across processes

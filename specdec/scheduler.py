@@ -165,6 +165,7 @@ class Scheduler:
             features=[s.pending_features() for s in seqs] if self.cfg.features and K > 0 else None,
             steps=steps,
             lookup=[self._lookup_k(s) for s in seqs] if steps and B <= self.cfg.lookup_max_batch else None,
+            budget=[s.remaining for s in seqs] if steps else None,
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
             siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
         )

@@ -74,12 +74,12 @@ class TargetWorker:
         return out
 
     def _multi_step(self, batch: SpecBatch, rows: list[int], states: list, out: VerifyOutput) -> None:
-        """A multi-step plain round: forwards until row i has emitted `steps[i]` tokens or a stop
-        token. With `batch.lookup`, each forward also verifies, for greedy rows, up to that many
-        tokens found by prompt lookup in the row's own context (Saxena 2023): more than one token
-        per forward where the text repeats itself, the same tokens as plain greedy decoding, and
-        no proposer call. Sampled rows emit one token per forward, the j-th drawn with the
-        uniforms of column j, as plain rounds would."""
+        """A multi-step plain round: row i runs `steps[i]` forwards, fewer after a stop token. With
+        `batch.lookup`, each forward of a greedy row also verifies up to lookup[i] tokens found by
+        prompt lookup in its own context (Saxena 2023): more than one token per forward where the
+        text repeats itself (at most budget[i] in the round), the same tokens as plain greedy
+        decoding, and no proposer call. Sampled rows emit one token per forward, the j-th drawn
+        with the uniforms of column j, as plain rounds would."""
         go, j = list(zip(rows, states)), 0
         while go:
             drafts = [self._lookup(batch, i, st, len(out.tokens[i])) for i, st in go]
@@ -94,7 +94,7 @@ class TargetWorker:
             out.lookup_proposed += sum(map(len, drafts))
             out.lookup_accepted += sum(out.num_accepted) - before
             j += 1
-            go = [(i, st) for i, st in go if len(out.tokens[i]) < batch.steps[i]
+            go = [(i, st) for i, st in go if j < batch.steps[i] and len(out.tokens[i]) < self._budget(batch, i)
                   and not any(t in batch.stop_ids[i] for t in out.tokens[i])]
         out.steps = j
 
@@ -103,8 +103,13 @@ class TargetWorker:
         rows only), within what the row may still emit this round and its cache's room."""
         if not batch.lookup or not batch.lookup[i]:
             return []
-        room = min(batch.lookup[i], batch.steps[i] - emitted - 1, self.max_model_len - len(st.tokens))
+        room = min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
         return ngram_lookup(st.tokens, room, *LOOKUP_NGRAM) if room > 0 else []
+
+    @staticmethod
+    def _budget(batch: SpecBatch, i: int) -> int:
+        """Tokens row i may emit in this multi-step round."""
+        return batch.budget[i] if batch.budget else batch.steps[i]
 
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
               probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None) -> None:

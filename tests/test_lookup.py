@@ -1,7 +1,7 @@
 """Prompt lookup inside multi-step plain rounds (specdec.target_worker.TargetWorker._multi_step):
 greedy rows verify n-gram continuations of their own context in the step's forward. The output is
 plain greedy decoding's, token for token (float32 and bfloat16), sampled rows are untouched, and
-the same tokens take fewer target forwards where the text repeats itself."""
+a round's forwards yield more tokens where the text repeats itself."""
 import pytest
 import torch
 
@@ -49,6 +49,7 @@ def test_lookup_emits_plain_greedy_tokens_in_fewer_forwards(tiny_dir, tiny_tok, 
     assert one.stats.lookup_accepted > 0
     assert sum(c.steps for c in calls) == sum(c.steps for c in plain_calls) - one.stats.lookup_accepted
     assert sum(c.lookup_accepted for c in calls) == one.stats.lookup_accepted
+    assert any(len(c.tokens[0]) > c.steps for c in calls)  # a round's forwards yield more tokens
 
 
 def test_lookup_respects_budget_stops_and_sampled_rows(tiny_dir, tiny_tok):
