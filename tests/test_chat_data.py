@@ -60,6 +60,7 @@ def test_self_instruct_asks_again_for_more_questions_and_keeps_the_first(tiny_to
     texts = [it.messages[0]["content"] for a in more for it in a]
     assert len(set(texts)) == len(texts)  # new seeds, no duplicates
     assert all(json.loads(x)["attempt"] in (0, 1) for x in path.read_text().splitlines())
+    assert chat.self_instruct(None, tiny_tok, topics, 5, path, batch=8) == more  # asked for 5 once: not again
 
 
 def test_temperatures_and_follow_ups():
@@ -99,3 +100,11 @@ def test_chat_answers_pipeline_resumes_and_mixes_temperatures(tiny_dir, tmp_path
     (work / "features.pt").unlink()
     main([*args, "--out", str(tmp_path / "d")])
     assert sorted((work / "chat_answers.jsonl").read_text().splitlines()) == sorted(before.splitlines())
+    # a second, sampled answer per first-turn prompt, at the temperature its first answer did not use
+    m = main([*args, "--out", str(tmp_path / "d"), "--resample-minutes", "5"])
+    again = {r["i"]: r for r in map(json.loads, (work / "chat_answers.jsonl").read_text().splitlines())}
+    resampled = [json.loads(x) for x in (work / "chat_resampled.jsonl").read_text().splitlines()]
+    assert len(resampled) == 15 and m["data"]["answers"] == 2 + 20 + 15
+    for r in resampled:
+        assert r["prompt"] == again[r["i"]]["prompt"] and r["temperature"] in (0.7, 1.0)
+        assert r["temperature"] != again[r["i"]]["temperature"]

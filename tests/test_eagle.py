@@ -188,3 +188,26 @@ def test_training_time_test_unrolls_each_step_on_the_previous_steps_predictions(
     loss, _ = eagle_loss(draft, feats, toks, mask, cfg(4))  # and it trains: backward through all steps
     loss.backward()
     assert draft.fc.weight.grad is not None and bool(draft.fc.weight.grad.abs().sum() > 0)
+
+
+def test_feature_cache_reuses_rows_by_content_wherever_they_move(target, tmp_path):
+    """A rerun whose rows were inserted or reordered prefills only the new rows and returns every
+    row in the order asked (a cache matched by position would pair rows with other rows' data)."""
+    from specdec_tools.distill.eagle_train import FeatureCache
+    g = torch.Generator().manual_seed(0)
+    rows = [("chat", torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist()) for n in (9, 5, 12)]
+    path = tmp_path / "features.pt"
+    first = FeatureCache.build(target, rows, path=path)
+    prefilled = []
+    prefill = FeatureCache._prefill
+    FeatureCache._prefill = lambda self, t, rs: prefilled.extend(rs) or prefill(self, t, rs)
+    try:
+        new = ("follow-up", [3, 1, 4, 1, 5, 9])
+        again = FeatureCache.build(target, [rows[2], new, rows[0], rows[1]], path=path)
+    finally:
+        FeatureCache._prefill = prefill
+    assert prefilled == [new[1]]
+    assert [t.tolist() for t in again.tokens] == [rows[2][1], new[1], rows[0][1], rows[1][1]]
+    assert again.kinds == ["chat", "follow-up", "chat", "chat"]
+    assert torch.equal(again.feats[0], first.feats[2]) and torch.equal(again.feats[2], first.feats[0])
+    assert len(FeatureCache.load(path).tokens) == 4

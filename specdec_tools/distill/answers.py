@@ -49,9 +49,9 @@ def plain_engine(model, tokenizer, batch: int, max_len: int) -> LLMEngine:
 
 def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], path: Path, batch: int = 16,
                      max_new: int = 128, minutes: float | None = None, max_answers: int | None = None,
-                     temperatures: list[float] | None = None, desc: str = "target answers") -> int:
+                     temperatures: list[float] | None = None, desc: str = "target answers", seed_offset: int = 0) -> int:
     """Append answers for prompts not yet in `path` (greedy, or at `temperatures[i]` with a seed
-    derived from i, so a resumed run writes what an uninterrupted one would); stops at the time
+    derived from seed_offset + i, so a resumed run writes what an uninterrupted one would); stops at the time
     or count budget. Returns the number of answers in the file."""
     from tqdm import tqdm
 
@@ -70,7 +70,7 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
             if minutes is not None and time.perf_counter() - t0 > 60 * minutes:
                 break
             ids = todo[c: c + chunk]
-            params = [SamplingParams(max_tokens=max_new, temperature=temps[i], seed=i) for i in ids]
+            params = [SamplingParams(max_tokens=max_new, temperature=temps[i], seed=seed_offset + i) for i in ids]
             seqs = engine.generate([prompts[i][1] for i in ids], params)
             for i, s in zip(ids, seqs):
                 f.write(json.dumps({"i": i, "kind": prompts[i][0], "prompt": prompts[i][1], "temperature": temps[i],

@@ -170,9 +170,10 @@ def clean_question(text: str, topic: str) -> str | None:
 def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Path, batch: int = 24,
                   seed: int = 0, max_attempts: int = 3) -> list[list[ChatItem]]:
     """Questions the target writes about each topic (sampled at T=0.8, deduplicated, filtered),
-    cached in `path` (jsonl: {"topic", "text", "attempt"}). A topic with fewer than `per_topic`
-    questions is asked again with fresh seeds (at most `max_attempts` times), so raising
-    `per_topic` on a resumed run adds questions and keeps the ones already answered. Returns the
+    cached in `path` (jsonl: {"topic", "text", "attempt", "per_topic"}). A topic with fewer than
+    `per_topic` questions, never asked for that many, is asked again with fresh seeds (at most
+    `max_attempts` times), so raising `per_topic` on a resumed run adds questions and keeps the
+    ones already answered. Returns the
     questions by attempt (a resumed run appends a new attempt's questions after the old ones)."""
     from tqdm import tqdm
 
@@ -184,12 +185,14 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
     cached = read_jsonl(path)
     have: dict[str, list[str]] = {t: [] for t in topics}
     attempts: dict[str, int] = {t: 0 for t in topics}
+    asked: dict[str, int] = {t: 0 for t in topics}  # the most questions a topic was asked for
     for r in cached:
         if r["topic"] in have:
             attempts[r["topic"]] = max(attempts[r["topic"]], r.get("attempt", 0) + 1)
+            asked[r["topic"]] = max(asked[r["topic"]], r.get("per_topic", 0))
             if r["text"]:
                 have[r["topic"]].append(r["text"])
-    todo = [t for t in topics if len(have[t]) < per_topic and attempts[t] < max_attempts]
+    todo = [t for t in topics if len(have[t]) < per_topic and asked[t] < per_topic and attempts[t] < max_attempts]
     if todo:
         prompt = {t: encode_chat(tokenizer, [{"role": "user", "content": INSTRUCT.format(t=t)}])
                   + tokenizer(PREFILL.format(t=t), add_special_tokens=False).input_ids for t in todo}
@@ -211,8 +214,8 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
                     if q and q.lower() not in seen and len(have[t]) + len(kept[t]) < per_topic:
                         kept[t].append(q)
                 for t in chunk:  # a topic with no usable question is still recorded as asked
-                    rows = [{"topic": t, "text": q, "attempt": attempts[t]} for q in kept[t]] \
-                        or [{"topic": t, "text": None, "attempt": attempts[t]}]
+                    rows = [{"topic": t, "text": q, "attempt": attempts[t], "per_topic": per_topic}
+                            for q in kept[t]] or [{"topic": t, "text": None, "attempt": attempts[t], "per_topic": per_topic}]
                     f.write("".join(json.dumps(r) + "\n" for r in rows))
                     cached += rows
                 f.flush()

@@ -52,6 +52,10 @@ def add_arguments(p) -> None:
     c.add_argument("--sampled-frac", type=float, default=0.5,
                    help="share of chat answers sampled (half at temperature 0.7, half at 1.0), the rest greedy")
     c.add_argument("--follow-up-frac", type=float, default=0.2, help="chat answers continued by a second turn")
+    c.add_argument("--resample-minutes", type=float, default=0.0,
+                   help="time for a second, sampled answer to the first-turn prompts (temperature 0.7 / 1.0, "
+                   "the one the first answer did not use; other seeds): more of the target's distribution "
+                   "per prompt, without writing questions")
 
 
 def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> list[tuple[str, list[int]]]:
@@ -97,7 +101,13 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
         generate_answers(target, tok, prompts2, work / "chat_follow_ups.jsonl", args.gen_batch, args.gen_tokens,
                          minutes and minutes * share, temperatures=_temperatures(len(prompts2), args.sampled_frac),
                          desc="follow-up answers")
-    return list(done.values()) + read_jsonl(work / "chat_follow_ups.jsonl")
+    if args.resample_minutes:
+        temps = [(0.7, 1.0)[i % 2] if t == 0 else round(1.7 - t, 1)
+                 for i, t in enumerate(_temperatures(len(prompts), args.sampled_frac))]
+        generate_answers(target, tok, prompts, work / "chat_resampled.jsonl", args.gen_batch, args.gen_tokens,
+                         args.resample_minutes, temperatures=temps, desc="resampled answers", seed_offset=1_000_003)
+    return (list(done.values()) + read_jsonl(work / "chat_follow_ups.jsonl")
+            + read_jsonl(work / "chat_resampled.jsonl"))
 
 
 def run(args, argv: list[str]) -> dict:

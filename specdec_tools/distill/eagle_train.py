@@ -45,31 +45,34 @@ class FeatureCache:
     @torch.inference_mode()
     def build(cls, target, rows: list[tuple[str, list[int]]], batch_rows: int = 8, desc: str = "teacher features",
               path: Path | None = None, save_every: int = 1024) -> "FeatureCache":
-        """Prefill `rows` ((kind, token ids)) through `target`; resumes from and saves to `path`
-        every `save_every` rows (rows keep their order; within a chunk, similar lengths batch)."""
+        """Prefill `rows` ((kind, token ids)) through `target`, returned in their order. Rows are
+        cached by content in `path` (saved every `save_every` new rows): a rerun with rows added
+        anywhere, or reordered, prefills only the rows the file lacks. `pred_counts` counts the
+        target's greedy predictions over every row the file holds."""
         from tqdm import tqdm
 
-        cache = cls.load(path) if path is not None and Path(path).is_file() else \
+        store = cls.load(path) if path is not None and Path(path).is_file() else \
             cls([], [], [], torch.zeros(target.args.vocab_size, dtype=torch.long))
-        todo = rows[len(cache.tokens):]
-        bar = tqdm(total=sum(len(r) for _, r in todo), desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+        where = {tuple(t.tolist()): j for j, t in enumerate(store.tokens)}
+        todo = list({tuple(r): r for _, r in rows if tuple(r) not in where}.values())
+        bar = tqdm(total=sum(len(r) for r in todo), desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
         for c in range(0, len(todo), save_every):
             chunk = todo[c: c + save_every]
-            out: dict[int, tuple[Tensor, Tensor]] = {}
-            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][1]))
+            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))
             for b in range(0, len(order), batch_rows):
                 idx = order[b: b + batch_rows]
-                for i, t, f in zip(idx, *cache._prefill(target, [chunk[i][1] for i in idx])):
-                    out[i] = (t, f)
-                bar.update(sum(len(chunk[i][1]) for i in idx))
-            for i, (kind, _) in enumerate(chunk):
-                cache.tokens.append(out[i][0])
-                cache.feats.append(out[i][1])
-                cache.kinds.append(kind)
+                for i, t, f in zip(idx, *store._prefill(target, [chunk[i] for i in idx])):
+                    where[tuple(chunk[i])] = len(store.tokens)
+                    store.tokens.append(t)
+                    store.feats.append(f)
+                    store.kinds.append("")  # the kind is the caller's, per request
+                bar.update(sum(len(chunk[i]) for i in idx))
             if path is not None:
-                cache.save(path)
+                store.save(path)
         bar.close()
-        return cache
+        idx = [where[tuple(r)] for _, r in rows]
+        return cls([store.tokens[j] for j in idx], [store.feats[j] for j in idx], [k for k, _ in rows],
+                   store.pred_counts)
 
     def _prefill(self, target, rows: list[list[int]]) -> tuple[list[Tensor], list[Tensor]]:
         T = max(len(r) for r in rows)
