@@ -98,6 +98,8 @@ REQUESTS_STARTED = "specdec_requests_started"
 REQUESTS_FINISHED = "specdec_requests"
 PROMPT_TOKENS = "specdec_prompt_tokens"
 COMPLETION_TOKENS = "specdec_completion_tokens"
+LOOKUP_TOKENS = "specdec_lookup_tokens"
+LOOKUP_ACCEPTED_TOKENS = "specdec_lookup_accepted_tokens"
 ACCEPTANCE_RATE = "specdec_acceptance_rate"
 MEAN_ACCEPTED_LENGTH = "specdec_mean_accepted_length"
 POSITION_ACCEPTANCE = "specdec_position_acceptance_rate"
@@ -119,6 +121,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(GENERATED_TOKENS, "counter", "Tokens generated (emitted to sequences) by rounds."),
     MetricSpec(DRAFT_TOKENS, "counter", "Draft tokens proposed for verification."),
     MetricSpec(ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the target."),
+    MetricSpec(LOOKUP_TOKENS, "counter", "Prompt-lookup tokens verified inside multi-step plain rounds."),
+    MetricSpec(LOOKUP_ACCEPTED_TOKENS, "counter", "Prompt-lookup tokens the target accepted."),
     MetricSpec(REQUESTS_STARTED, "counter", "Requests admitted."),
     MetricSpec(REQUESTS_FINISHED, "counter", "Requests finished, by finish reason.",
                tag_keys=("finish_reason",)),
@@ -232,8 +236,10 @@ class RouterMetrics:
     # -- hot path ------------------------------------------------------------------------------
 
     def record_round(self, batch_size: int, num_draft: list[int], num_accepted: list[int],
-                     num_emitted: list[int], draft_s: float, target_s: float, round_s: float) -> None:
-        """One speculative round: per-sequence drafts proposed / accepted / tokens emitted."""
+                     num_emitted: list[int], draft_s: float, target_s: float, round_s: float,
+                     lookup_proposed: int = 0, lookup_accepted: int = 0) -> None:
+        """One speculative round: per-sequence drafts proposed / accepted / tokens emitted, and the
+        round's prompt-lookup tokens (multi-step plain rounds)."""
         if not (len(num_draft) == len(num_accepted) == len(num_emitted)):
             raise ValueError("num_draft, num_accepted and num_emitted must have one entry per sequence")
         m = self._m
@@ -263,6 +269,10 @@ class RouterMetrics:
             m[DRAFT_TIME].observe(float(draft_s))
         if accepted > 0:
             m[ACCEPTED_TOKENS].inc(accepted)
+        if lookup_proposed > 0:
+            m[LOOKUP_TOKENS].inc(int(lookup_proposed))
+        if lookup_accepted > 0:
+            m[LOOKUP_ACCEPTED_TOKENS].inc(int(lookup_accepted))
         m[BATCH_SIZE].observe(int(batch_size))
         m[TARGET_TIME].observe(float(target_s))
         m[ROUND_TIME].observe(float(round_s))

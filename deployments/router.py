@@ -383,7 +383,7 @@ class SpecRouter:
         self.resyncs["target"] += len(verify.unknown)
         if self.metrics:
             self.metrics.record_round(len(plan.seqs), list(draft.num_draft), list(verify.num_accepted), emitted,
-                                      draft_s, target_s, round_s)
+                                      draft_s, target_s, round_s, verify.lookup_proposed, verify.lookup_accepted)
             self._record_load()
             for s, e in zip(plan.seqs, emitted):
                 if e and s.first_token_time is not None and s.num_output == e:
