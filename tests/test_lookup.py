@@ -86,3 +86,35 @@ def test_lookup_only_up_to_its_batch_size(tiny_dir, tiny_tok):
     small.generate(prompts[:2], params)
     small.generate(prompts[2:], params)
     assert big.stats.lookup_proposed == 0 and small.stats.lookup_proposed > 0
+
+
+def test_lookup_rounds_return_the_features_of_every_confirmed_position(tiny_dir, tiny_tok):
+    """With an EAGLE-style draft the target returns its features of every position a round
+    confirmed; with lookups a forward confirms several: they must be those positions' features (a
+    full recompute over the final sequence), contiguous across forwards and rounds."""
+    from specdec.eagle_draft import EagleDraft
+    from specdec.proposers.eagle import EagleProposer
+    target, ref_model = load_model(tiny_dir), load_model(tiny_dir)
+    torch.manual_seed(0)
+    draft = EagleDraft.for_target(target, torch.randperm(target.args.vocab_size)[:128].sort().values).eval()
+    ref_model.setup_cache(1, 256)
+    accepted = 0
+    for prompt in PROMPTS:
+        eng = LLMEngine(TargetWorker(target, num_slots=1, max_model_len=256), EagleProposer(draft, 1, 256), tiny_tok,
+                        EngineConfig(max_batch_size=1, num_speculative_tokens=0, plain_steps=8, lookup_k=4,
+                                     lookup_max_batch=1))
+        calls = count_forwards(eng)
+        seq = eng.generate([tiny_tok(prompt).input_ids], SamplingParams(max_tokens=64, temperature=0.0,
+                                                                       ignore_eos=True))[0]
+        accepted += eng.stats.lookup_accepted
+        full = seq.prompt_ids + seq.output_ids
+        with torch.inference_mode():
+            h = ref_model.hidden_states(torch.tensor([full]), torch.tensor([0]), torch.tensor([0]))[0]  # [T, hidden]
+        pos = None
+        for c in calls:
+            start, feats = c.hidden_start[0], c.hidden[0]
+            assert pos is None or start == pos  # contiguous with the previous call's
+            torch.testing.assert_close(feats, h[start: start + len(feats)], atol=1e-4, rtol=1e-4)
+            pos = start + len(feats)
+        assert pos == len(full) - 1  # every position but the newest token's
+    assert accepted > 0
