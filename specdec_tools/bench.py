@@ -78,10 +78,14 @@ class Row:
         return f"{ms[0]:.1f} ({ms[1]:.1f} / {ms[2]:.1f} / {ms[0] - ms[1] - ms[2]:.1f})"
 
 
-def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0):
+def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0,
+               lookup=0):
+    """`lookup` > 0: plain rounds of 8 steps whose greedy rows verify that many prompt-lookup
+    tokens per step (k = 0, the proposer only enables it)."""
     eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
-                                 speculate=proposer is not None and k > 0, siblings_max_batch=siblings))
+                                 speculate=proposer is not None and (k > 0 or lookup > 0), siblings_max_batch=siblings,
+                                 plain_steps=8 if lookup else 1, lookup_k=lookup, lookup_max_batch=batch))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # fixed length: fair tokens/s
     if warm:
         eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
@@ -101,13 +105,21 @@ def cost_ratio(stats, plain_step: float) -> float:
     return steps / plain_step if plain_step else 0.0
 
 
-def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0) -> list[Row]:
-    """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured."""
+def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0,
+                 lookup: int = 0) -> list[Row]:
+    """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured;
+    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds."""
     rows = []
     base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
     plain_step = st.target_time / st.rounds
     rows.append(Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st)))
     bar.update()
+    if lookup:
+        out, dt, st = run_engine(model, tok, prompts, NgramProposer(), 0, batch, max_tokens, lookup=lookup)
+        rows.append(Row(f"plain + lookup {lookup}", batch, 0, sum(map(len, out)), dt,
+                        st.lookup_accepted / max(1, st.lookup_proposed), 1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted),
+                        0.0, out == base, **_times(st)))
+        bar.update()
     for name, make in [("ngram", lambda: NgramProposer())] + [
             (n, (lambda f=f: f(batch))) for n, f in drafts]:
         for k in ks:
@@ -182,6 +194,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per kind")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--lookup", type=int, default=0, help="also measure plain decoding with this many prompt-lookup "
+                    "tokens per step verified inside 8-step plain rounds (0: not measured)")
     ap.add_argument("--siblings", type=int, default=0, help="siblings_max_batch: batches up to this size also "
                     "verify a sibling of each first draft (0: chains only)")
     a = ap.parse_args(argv)
@@ -200,7 +214,7 @@ def main(argv=None) -> None:
     batches = [int(x) for x in a.batches.split(",")]
     kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
              "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}
-    per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1
+    per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1 + (1 if a.lookup else 0)
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
     print(f"target={a.target} dtype={a.dtype} device={a.device} max_tokens={a.max_tokens} threads={torch.get_num_threads()}"
@@ -211,12 +225,12 @@ def main(argv=None) -> None:
         rows, plain = [], {}
         for b in batches:
             if b == 1:  # batch 1: the prompts one after another
-                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings) for p in prompts]
+                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings, a.lookup) for p in prompts]
                 merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
                 bar.update(per_batch)
             else:
                 batch_prompts = (prompts * b)[:b]  # b concurrent sequences (prompts reused if fewer)
-                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar, a.siblings)
+                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar, a.siblings, a.lookup)
             plain[b] = merged[0].tps
             rows += merged
         if not a.no_hf:
