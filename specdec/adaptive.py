@@ -15,7 +15,9 @@ safeguard sits on top: per batch-size bucket the cost model keeps the tokens per
 speculative and plain rounds actually obtained (`observe_throughput`), and while speculative
 rounds yield fewer (`speculation_loses`), the scheduler keeps adaptive rows plain except for one
 probing round every `throttle_probe_every` rounds of that bucket, whose measurement lets
-speculation come back when it wins again.
+speculation come back when it wins again. The same measurement also corrects the model the other
+way: while speculative rounds measurably yield more than plain ones (`speculation_wins`, by a
+margin), rows whose model says k = 0 speculate anyway, with the model's best k >= 1.
 """
 from __future__ import annotations
 
@@ -55,12 +57,13 @@ class CostModel:
 
     def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
                  recalibrate_every: int = 64, throughput_ema: float = 0.3, throughput_min_rounds: int = 4,
-                 throttle_probe_every: int = 16):
+                 throttle_probe_every: int = 16, win_margin: float = 1.1):
         self.ema, self.recalibrate_every = ema, recalibrate_every
         # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
         self.throughput_ema, self.throughput_min_rounds = throughput_ema, throughput_min_rounds
         self.throttle_probe_every = throttle_probe_every
+        self.win_margin = win_margin  # measured speedup above which speculation overrides the model
         self.throttled_rounds: dict[int, int] = {}  # bucket -> rounds planned plain by the safeguard
         self.draft_step: dict[int, float] = {}  # B -> seconds per draft forward
         self.target: dict[tuple[int, int], float] = {}  # (B, K) -> seconds per target round
@@ -124,6 +127,11 @@ class CostModel:
     def speculation_loses(self, batch: int) -> bool:
         s = self.measured_speedup(batch)
         return s is not None and s < 1.0
+
+    def speculation_wins(self, batch: int) -> bool:
+        """Speculative rounds measurably yield more tokens/s than plain ones at this bucket."""
+        s = self.measured_speedup(batch)
+        return s is not None and s > self.win_margin
 
     def throttle(self, batch: int) -> bool:
         """True: plan this round plain (speculation measurably loses at this bucket); every
@@ -201,12 +209,15 @@ class AdaptiveK:
         s, k = max(scores)
         return k, s
 
-    def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1, k_max: int | None = None) -> int:
+    def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1, k_max: int | None = None,
+               measured_win: bool = False) -> int:
         """k for the next round, at most `k_max` (the live cap; no state change: `update` records
-        what ran)."""
+        what ran). `measured_win`: speculative rounds measurably win here, whatever the model says."""
         k, s = self.best(cost, has_model, batch=batch, k_max=k_max)
         if k > 0 and s > self.cfg.min_speedup:
             return k
+        if measured_win:
+            return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
         if self.off_rounds + 1 >= self.cfg.probe_interval:  # probe: measure acceptance again
             return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
         return 0

@@ -120,7 +120,8 @@ class Scheduler:
             if calibrate or (throttle and not pinned):
                 return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here
             cost = self.seeded_cost if pinned else self.cost
-            k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max)
+            k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max,
+                                    measured_win=not pinned and self.cost.speculation_wins(batch))
         else:
             k = self.cfg.k_max
         return max(0, min(k, self.cfg.k_max, seq.remaining - 1))

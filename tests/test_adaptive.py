@@ -114,7 +114,7 @@ def test_lowering_k_max_applies_to_running_sequences():
 
 
 # ---- the measured safeguard: speculative vs plain tokens per second ----------------------------
-def _trace(sched: Scheduler, rounds: int, hidden_s, step_s: float = 0.05) -> list[int]:
+def _trace(sched: Scheduler, rounds: int, hidden_s, step_s: float = 0.05, draft_step_s: float = 0.002) -> list[int]:
     """Rounds at 100% acceptance whose draft/target times look cheap to the cost model, while the
     round's wall time adds `hidden_s(round)` when it speculates (a hop the model does not see).
     Returns k per round of the single sequence."""
@@ -126,7 +126,8 @@ def _trace(sched: Scheduler, rounds: int, hidden_s, step_s: float = 0.05) -> lis
         sched.target_batch(plan, draft)
         verify = VerifyOutput([[7] * (k + 1)], [k])
         t = step_s * (1 + 0.05 * k)
-        sched.commit(plan, draft, verify, 0.002 * k, t, t + 0.002 * k + (hidden_s(r) if k else 0.0), drafted=k > 0)
+        sched.commit(plan, draft, verify, draft_step_s * k, t, t + 0.002 * k + (hidden_s(r) if k else 0.0),
+                     drafted=k > 0)
         ks.append(k)
     return ks
 
@@ -153,6 +154,20 @@ def test_throughput_safeguard_keeps_speculation_that_wins_and_recovers():
     ks = _trace(back, 400, lambda r: 1.0 if r < 150 else 0.0)
     assert sum(k > 0 for k in ks[100:150]) <= 5
     assert sum(k > 0 for k in ks[300:]) >= 90
+
+
+def test_measured_win_overrides_a_pessimistic_model():
+    """The model sees drafting as dear (a draft step reported at 4 target steps) while whole rounds
+    show speculation yielding more tokens/s than plain: rows speculate, not only the model's probes."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    sched.add(_seq(temperature=0))
+    ks = _trace(sched, 200, lambda r: 0.0, draft_step_s=0.2)
+    assert sched.cost.measured_speedup(1) > 1.5  # (the model's best k >= 1 is short: drafts look dear)
+    assert sum(k > 0 for k in ks[100:]) >= 90
+    off = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))  # without the override: probes only
+    off.cost.win_margin = float("inf")
+    off.add(_seq(temperature=0))
+    assert sum(k > 0 for k in _trace(off, 200, lambda r: 0.0, draft_step_s=0.2)[100:]) <= 20
 
 
 def test_throughput_safeguard_leaves_pinned_rows_alone():
