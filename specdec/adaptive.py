@@ -216,8 +216,6 @@ class AdaptiveK:
         k, s = self.best(cost, has_model, batch=batch, k_max=k_max)
         if k > 0 and s > self.cfg.min_speedup:
             return k
-        if measured_win:
-            return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
-        if self.off_rounds + 1 >= self.cfg.probe_interval:  # probe: measure acceptance again
+        if measured_win or self.off_rounds + 1 >= self.cfg.probe_interval:  # (else a probe: measure acceptance)
             return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
         return 0
