@@ -36,16 +36,16 @@ class SpecBatch(Wire):
     top_p: Tensor  # [B] float32
     uniforms: Tensor  # [B, 3, K+1] float64, see U_* above; [B, 3, max(steps)] for a multi-step round
     release: list[int] = field(default_factory=list)  # sequences to forget before this round
-    # Multi-step plain round (no row drafts): row i decodes up to steps[i] tokens in this one call,
-    # step j drawing with uniforms[i, :, j], and stops early at a token of stop_ids[i]; the same
-    # tokens as steps[i] separate plain rounds, one call's hops for all of them
+    # Multi-step plain round (no row drafts): row i runs up to steps[i] forwards in this one call
+    # (one token each, more with `lookup`), step j drawing with uniforms[i, :, j], and stops early
+    # at a token of stop_ids[i]; the same tokens as separate plain rounds, one call's hops for all
     steps: list[int] | None = None
     stop_ids: list[list[int]] | None = None
     features: list[tuple[int, Tensor] | None] | None = None  # per row (first position, [n, hidden])
     # of target features the proposer has not been sent yet (EAGLE-style drafts only)
     lookup: list[int] | None = None  # a multi-step round: row i's steps[i] forwards each also
     # verify up to lookup[i] tokens found by prompt lookup in its own context, the row emitting up
-    # to budget[i] tokens in all (TargetWorker._multi_step)
+    # to budget[i] tokens in all (TargetWorker._multi_step; None: steps[i])
     budget: list[int] | None = None
     siblings: bool = False  # a model proposer adds, for greedy rows, a sibling of the first draft
     # (its second choice there): the smallest draft tree, verified in the same target forward

@@ -54,19 +54,19 @@ class FeatureCache:
         store = cls.load(path) if path is not None and Path(path).is_file() else \
             cls([], [], [], torch.zeros(target.args.vocab_size, dtype=torch.long))
         where = {tuple(t.tolist()): j for j, t in enumerate(store.tokens)}
-        todo = list({tuple(r): r for _, r in rows if tuple(r) not in where}.values())
-        bar = tqdm(total=sum(len(r) for r in todo), desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+        todo = list({tuple(r): (kind, r) for kind, r in rows if tuple(r) not in where}.values())
+        bar = tqdm(total=sum(len(r) for _, r in todo), desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
         for c in range(0, len(todo), save_every):
             chunk = todo[c: c + save_every]
-            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))
+            order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][1]))
             for b in range(0, len(order), batch_rows):
                 idx = order[b: b + batch_rows]
-                for i, t, f in zip(idx, *store._prefill(target, [chunk[i] for i in idx])):
-                    where[tuple(chunk[i])] = len(store.tokens)
+                for i, t, f in zip(idx, *store._prefill(target, [chunk[i][1] for i in idx])):
+                    where[tuple(chunk[i][1])] = len(store.tokens)
                     store.tokens.append(t)
                     store.feats.append(f)
-                    store.kinds.append("")  # the kind is the caller's, per request
-                bar.update(sum(len(chunk[i]) for i in idx))
+                    store.kinds.append(chunk[i][0])
+                bar.update(sum(len(chunk[i][1]) for i in idx))
             if path is not None:
                 store.save(path)
         bar.close()
