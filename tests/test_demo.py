@@ -57,6 +57,22 @@ def test_demo_bf16_greedy_identity(demo_dir, demo_tok, demo_prompts):
     assert spec == ref and st.proposed > 0
 
 
+def test_demo_bf16_prompt_lookup_is_plain_greedy(demo_dir, demo_tok, demo_prompts):
+    """The real target in bf16, batch 1: prompt lookup inside 8-step plain rounds (the service's
+    default at batch 1) emits plain greedy's tokens, and on real text its lookups are accepted."""
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    ref, _ = _run(model, demo_tok, demo_prompts, None, 0, n=48)
+    accepted = 0
+    for p, r in zip(demo_prompts, ref):  # one request at a time: lookup runs at batch 1
+        eng = LLMEngine(TargetWorker(model, 1, 1024), NgramProposer(), demo_tok,
+                        EngineConfig(max_batch_size=1, num_speculative_tokens=0, plain_steps=8, lookup_k=4,
+                                     lookup_max_batch=1))
+        out = eng.generate([p], SamplingParams(max_tokens=48, temperature=0))[0].output_ids
+        assert out == r
+        accepted += eng.stats.lookup_accepted
+    assert accepted > 0
+
+
 def test_demo_bf16_invariant_attention_is_as_accurate_as_sdpa(demo_dir, demo_model, demo_tok, demo_prompts):
     """bf16 is the CPU default, so its position-invariant attention must not cost accuracy: against
     float32 logits it errs no more than bf16 SDPA (largest error over the prompts, and mean error
