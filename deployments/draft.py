@@ -10,7 +10,7 @@ import os
 import time
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from deployments.tracing import ensure_provider
 from deployments.common import ModelRuntime, ModelThread, replica_id
@@ -22,18 +22,23 @@ from specdec.proposers import build_proposer
 log = logging.getLogger("ray.serve")
 
 
-class DraftConfig(ModelRuntime):
+class ProposerSettings(BaseModel):
+    """The proposer settings a user chooses (AppArgs inherits them)."""
+
+    draft: str | None = Field(None, description="Draft checkpoint with the target's tokenizer (proposer='draft', 'eagle' or 'hybrid'): a small causal LM or an EAGLE-style draft ('smollm2-eagle' is the one shipped for the demo target).")
+    self_draft_layers: int = Field(4, ge=1, description="Target layers used by proposer='self'.")
+    hybrid_ngram_min: int = Field(3, ge=1, description="proposer='hybrid': shortest n-gram match taken instead of the draft.")
+
+
+class DraftConfig(ModelRuntime, ProposerSettings):
     """Configuration of the Draft deployment."""
 
     proposer: Literal["ngram", "draft", "eagle", "hybrid", "self"] = Field("ngram", description="Which proposer the replicas run.")
-    draft: str | None = Field(None, description="Draft checkpoint (proposer='draft', 'eagle' or 'hybrid').")
     target: str | None = Field(None, description="Target checkpoint (proposer='self' uses its first layers).")
-    self_draft_layers: int = Field(4, ge=1, description="Layers of the target used as a self-draft.")
     num_slots: int = Field(16, ge=1, description="Draft KV-cache slots per replica.")
     top_j: int = Field(32, ge=1, description="Sampled rows draw drafts from the top-j truncation of q.")
     ngram_min: int = Field(1, ge=1, description="Shortest n-gram matched by prompt lookup.")
     ngram_max: int = Field(3, ge=1, description="Longest n-gram matched by prompt lookup.")
-    hybrid_ngram_min: int = Field(3, ge=1, description="proposer='hybrid': shortest n-gram match taken instead of the draft.")
 
 
 class DraftDeployment:

@@ -55,23 +55,29 @@ from specdec.stats import RoundProfile, SpecStats
 log = logging.getLogger("ray.serve")
 
 
-class RouterConfig(BaseModel):
-    """Configuration of the Router (ingress) deployment. Fields marked runtime can also change
-    through the deployment's `user_config` without a restart."""
+class SchedulingConfig(BaseModel):
+    """How the router batches and speculates: the knobs a user sets (AppArgs inherits them) and
+    may change at runtime through the Router deployment's `user_config`."""
+
+    max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
+    batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before a new lane's first round.")
+    max_queued_sequences: int = Field(256, ge=0, description="Waiting sequences per router beyond which requests get 503 + Retry-After.")
+    max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of a router's rows (lanes x max_batch_size) that one request's sequences (its n samples, its prompts) may hold at once; the rest of them wait, so other clients keep being served.")
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round, the cap of the adaptive k and of per-request k.")
+    adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
+    plain_steps: int = Field(8, ge=1, le=64, description="A round in which no row drafts decodes up to this many tokens per row in one Target call (one call's hops for all of them; the same tokens as that many plain rounds); a prefill, or sequences waiting to join the lane, make it a one-step round.")
+    siblings_max_batch: int = Field(1, ge=0, description="Rounds of at most this many rows verify, beside each greedy row's chain, a sibling of its first draft (the draft's second choice: the smallest draft tree, one more position in the same forward); 0: chains only.")
+    lookup_k: int = Field(4, ge=0, le=16, description="In multi-step plain rounds, greedy rows also verify up to this many tokens per step found by prompt lookup in their own context (in the Target call, no Draft call; output unchanged); a request's num_speculative_tokens caps it; 0: off.")
+    lookup_max_batch: int = Field(1, ge=0, description="Prompt lookup in rounds of at most this many rows: in larger batches the longer forward cost more than it yielded (HTTP, bf16, 2 cores: +6% at concurrency 1, -6% at 4).")
+
+
+class RouterConfig(SchedulingConfig):
+    """Configuration of the Router (ingress) deployment: the scheduling knobs, and what the
+    builder derives from the app's arguments."""
 
     tokenizer: str = Field(description="Checkpoint whose tokenizer the router uses (the target's).")
     model_name: str = Field("specdec", description="Model id served in the OpenAI API.")
-    max_batch_size: int = Field(8, ge=1, description="Sequences per lane (runtime).")
-    batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before a new lane's first round (runtime).")
     max_lanes: int = Field(4, ge=1, description="Concurrent running batches per router replica.")
-    max_queued_sequences: int = Field(256, ge=0, description="Waiting sequences beyond which requests get 503 + Retry-After.")
-    max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of the rows (max_lanes x max_batch_size) that one request's sequences (its n samples, its prompts) may hold at once; the rest of them wait, so other clients keep being served (runtime).")
-    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: cap of the adaptive k and of per-request k (runtime).")
-    adaptive: bool = Field(True, description="Adapt k per sequence to its acceptance (runtime).")
-    plain_steps: int = Field(8, ge=1, le=64, description="A round in which no row drafts decodes up to this many tokens per row in one Target call (one call's hops for all of them; the same tokens as that many plain rounds); a prefill, or sequences waiting to join the lane, make it a one-step round (runtime).")
-    siblings_max_batch: int = Field(1, ge=0, description="Rounds of at most this many rows verify, beside each greedy row's chain, a sibling of its first draft (the draft's second choice: the smallest draft tree, one more position in the same forward); 0: chains only (runtime).")
-    lookup_k: int = Field(4, ge=0, le=16, description="In multi-step plain rounds, greedy rows also verify up to this many tokens per step found by prompt lookup in their own context (in the Target call, no Draft call; output unchanged); a request's num_speculative_tokens caps it; 0: off (runtime).")
-    lookup_max_batch: int = Field(1, ge=0, description="Prompt lookup in rounds of at most this many rows: in larger batches the longer forward cost more than it yielded (HTTP, bf16, 2 cores: +6% at concurrency 1, -6% at 4) (runtime).")
     speculate: bool = Field(True, description="False: plain decoding (no draft calls).")
     proposer_has_model: bool = Field(True, description="Drafting costs a model forward (False for n-gram lookup): enters the adaptive cost model.")
     features: bool = Field(False, description="Pass the target's features of confirmed positions to the draft (EAGLE-style drafts).")
@@ -152,9 +158,7 @@ class SpecRouter:
 
     def reconfigure(self, user_config: dict) -> None:
         """Runtime knobs from the deployment's user_config."""
-        allowed = {"max_batch_size", "batch_wait_timeout_s", "num_speculative_tokens", "adaptive",
-                   "max_queued_sequences", "max_request_share", "plain_steps", "siblings_max_batch",
-                   "lookup_k", "lookup_max_batch"}
+        allowed = set(SchedulingConfig.model_fields)
         unknown = set(user_config) - allowed
         if unknown:
             raise ValueError(f"unknown user_config keys {sorted(unknown)}; allowed: {sorted(allowed)}")

@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from deployments.common import Device, NumThreads
-from deployments.draft import DraftConfig
-from deployments.router import RouterConfig
+from deployments.draft import DraftConfig, ProposerSettings
+from deployments.router import RouterConfig, SchedulingConfig
 from deployments.target import TargetConfig
 from serve_app.telemetry import TracingConfig
 
@@ -35,31 +35,19 @@ class ApiConfig(BaseModel):
     api_keys_file: str | None = Field(None, description="File with one API key per line ('#' comments), read by each router replica; the keys themselves never enter the app's config.")
 
 
-class AppArgs(BaseModel):
-    """Arguments of `serve_app:build_app`."""
+class AppArgs(SchedulingConfig, ProposerSettings):
+    """Arguments of `serve_app:build_app`: the router's scheduling knobs and the proposer settings
+    (inherited from the deployments' models) and what the builder derives the rest from."""
 
     model_config = {"extra": "forbid"}
 
     target: str = Field("smollm2", description="Target checkpoint: a Hugging Face directory, a .gguf file, or 'smollm2' (the demo model).")
-    draft: str | None = Field(None, description="Draft checkpoint with the target's tokenizer (proposer='draft', 'eagle' or 'hybrid'): a small causal LM or an EAGLE-style draft ('smollm2-eagle' is the one shipped for the demo target).")
     proposer: Literal["auto", "ngram", "draft", "eagle", "hybrid", "self", "none"] = Field("auto", description="Proposer: n-gram lookup, a draft model, an EAGLE-style draft over the target's features, hybrid (n-gram matches first, the draft otherwise), the target's first layers, or none. 'auto': the draft shipped for the target in the fastest measured mode (the demo target: hybrid with 'smollm2-eagle'), hybrid when a draft is given, n-gram otherwise.")
-    self_draft_layers: int = Field(4, ge=1, description="Target layers used by proposer='self'.")
-    hybrid_ngram_min: int = Field(3, ge=1, description="proposer='hybrid': shortest n-gram match taken instead of the draft.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of each target replica.")
-    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k_max: most draft tokens per round.")
-    adaptive: bool = Field(True, description="Adapt k per sequence to its measured acceptance.")
-    plain_steps: int = Field(8, ge=1, le=64, description="Tokens per row a round without drafts decodes in one Target call (the hops of one call for all of them; output unchanged). A request arriving meanwhile joins after that call.")
-    siblings_max_batch: int = Field(1, ge=0, description="Rounds of at most this many rows also verify a sibling of each greedy row's first draft (the draft's second choice); 0: chains only.")
-    lookup_k: int = Field(4, ge=0, le=16, description="Multi-step plain rounds: greedy rows also verify up to this many prompt-lookup tokens per step inside the Target call (no Draft call; output unchanged); 0: off.")
-    lookup_max_batch: int = Field(1, ge=0, description="Prompt lookup in rounds of at most this many rows (measured here: +6% at concurrency 1, -6% at 4 when on for batches of 4).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype. 'auto': bfloat16 on CPUs with native bfloat16 instructions (avx512_bf16, AMX), where bf16 speculation stays greedy-identical; float32 on other CPUs and on GPUs (see specdec.loader.fast_dtype; resolved on the machine that builds the app).")
     device: Device = "cpu"
-    max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
-    batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before starting a batch.")
     max_model_len: int | None = Field(None, ge=16, description="Longest sequence (prompt + output) in tokens. None: the target's own limit (max_position_embeddings), capped so that a target replica's preallocated KV cache fits in kv_cache_memory_gib; an explicit value above the model's limit is an error.")
     kv_cache_memory_gib: float = Field(2.0, gt=0, description="With max_model_len=None: memory a target replica's KV cache (all its slots, all TP ranks) may take; bounds the derived max_model_len.")
-    max_queued_sequences: int = Field(256, ge=0, description="Queued sequences per router beyond which requests get 503.")
-    max_request_share: float = Field(0.5, gt=0, le=1, description="Largest share of a router's running rows one request (its n samples, its prompts) may hold; its other sequences wait while other requests run.")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
     num_threads: NumThreads = 0
     draft_threads: int = Field(1, ge=0, description="torch threads of a draft replica (0: like num_threads). One by default: the draft's forwards are small, and where it shares cores with the target, a second OpenMP team spin-waiting between proposals slowed the target's steps by ~10% (bench/round_profile.py, 2 cores).")
@@ -159,20 +147,14 @@ class AppArgs(BaseModel):
     def draft_config(self) -> DraftConfig | None:
         if not self.speculate:
             return None
-        return DraftConfig(proposer=self.proposer, draft=self.draft, target=self.target,
-                           self_draft_layers=self.self_draft_layers, hybrid_ngram_min=self.hybrid_ngram_min,
-                           num_slots=self.max_batch_size * self.total_lanes,
+        return DraftConfig(**self.model_dump(include=set(ProposerSettings.model_fields)),
+                           proposer=self.proposer, target=self.target, num_slots=self.max_batch_size * self.total_lanes,
                            **{**self._runtime(), "num_threads": self.draft_threads or self.num_threads})
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(tokenizer=self.target, model_name=self.served_model_name,
-                            max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
+        return RouterConfig(**self.model_dump(include=set(SchedulingConfig.model_fields)),
+                            tokenizer=self.target, model_name=self.served_model_name,
                             max_lanes=max(1, self.total_lanes // self.router_replicas),
-                            max_queued_sequences=self.max_queued_sequences,
-                            max_request_share=self.max_request_share,
-                            num_speculative_tokens=self.num_speculative_tokens, adaptive=self.adaptive,
-                            plain_steps=self.plain_steps, siblings_max_batch=self.siblings_max_batch,
-                            lookup_k=self.lookup_k, lookup_max_batch=self.lookup_max_batch,
                             speculate=self.speculate, max_model_len=self._max_len(),
                             proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round
                             features=self.uses_features)

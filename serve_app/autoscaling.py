@@ -1,58 +1,36 @@
 """Custom Ray Serve autoscaling policies for the Router, Target and Draft deployments.
 
-The idea: express each deployment's load as *replica-units of demand* (how many replicas it would
-take at 100 % utilization), then size for a target utilization with hysteresis:
+Each deployment's load becomes *replica-units of demand* (replicas needed at 100 % utilization),
+sized for a target utilization with hysteresis:
 
     units    = max(signal / per-replica capacity, ...)      e.g. tokens/s / target_tokens_per_s
     desired  = ceil(units / target_utilization)
     u        = units / current target replicas
     scale up    when u > upscale_utilization    (at most once per upscale_cooldown_s after a scale-up)
     scale down  when u < downscale_utilization and desired < current, for downscale_delay_s in a row
-    otherwise hold.
 
-Because `desired` always leaves u <= target_utilization < upscale_utilization, a scale-down never
-lands where the next tick scales up again, and a signal flapping across one threshold only resets
-the downscale timer. Missing data (no replica has reported yet) holds the current count; every
-result is clamped to the context's capacity-adjusted min/max.
+`desired` leaves u <= target_utilization < upscale_utilization, so a scale-down never lands where
+the next tick scales up again. No data holds the current count; results are clamped to the
+context's capacity-adjusted min/max.
 
-* `router_policy`: ongoing (running + queued) sequences per router replica.
-* `target_policy`: generated tokens/s against `target_tokens_per_s`, and active sequences against
-  `target_sequences_per_replica` (the application policy adds the routers' queues).
-* `draft_policy`: proposals/s against `draft_tokens_per_s`. When acceptance collapses the router's
-  adaptive scheduler turns speculation down (k -> 0), proposal demand falls and draft replicas are
-  released; when it recovers, demand and replicas return.
-* `app_policy` (application level, one decision for all three): sees the router's queue and
-  acceptance. The target's capacity is scaled by the tokens one forward yields at the current
-  acceptance relative to the reference acceptance it was measured at, and the router's *requested*
-  draft tokens/s sizes the draft (visible even when few draft replicas run). Acceptance below
-  `acceptance_low` (until above `acceptance_high`) marks speculation collapsed: drafts go down to
-  `draft_floor_while_serving` (kept so probing rounds can notice recovery).
+* `RouterPolicy`: ongoing (running + queued) sequences per router replica.
+* `TargetPolicy`: generated tokens/s and active sequences per replica.
+* `DraftPolicy`: proposals/s. When acceptance collapses the router's adaptive scheduler stops
+  drafting, demand falls and draft replicas are released; they return with acceptance.
+* `AppPolicy` (application level, one decision for all three): the target's capacity scales with
+  the tokens one forward yields at the router's current acceptance, the router's *requested*
+  draft tokens/s sizes the draft, and acceptance below `acceptance_low` (until above
+  `acceptance_high`) keeps drafts at `draft_floor_while_serving`.
 
-How Ray 2.60 calls these (ray/serve/_private/autoscaling_state.py, ray/serve/autoscaling_policy.py):
-a deployment policy is `policy(ctx: AutoscalingContext) -> (num_replicas, policy_state: dict)`,
-called every control-loop tick (~0.1 s); the returned state comes back as `ctx.policy_state` next
-tick (we keep ours under "specdec." keys and preserve Ray's own). Ray wraps every custom policy
-with its upscaling/downscaling factors, its `upscale_delay_s`/`downscale_delay_s` (these *stack*
-with ours: set them low, e.g. 0-5 s, when using these policies) and min/max bounds. An
-application-level policy is `policy(contexts: dict[DeploymentID, AutoscalingContext]) ->
-(dict[DeploymentID, num_replicas], dict[DeploymentID, state])`, declared in a Serve config file:
-
-    applications:
-      - name: specdec
-        import_path: serve_app:app
-        autoscaling_policy:
-          policy_function: serve_app.autoscaling:AppPolicy    # or :app_policy (defaults)
-          policy_kwargs: {target_tokens_per_s: 120}
-        deployments:                                           # each needs an autoscaling_config
-          - {name: Router, autoscaling_config: {min_replicas: 1, max_replicas: 2}}
-
-`policy_kwargs` only reach *classes* (Ray instantiates `Class(**policy_kwargs)` once, then calls
-the instance); plain functions get none. Hence each policy exists twice: a function using
-`DEFAULT_PARAMS` and a class (`RouterPolicy`, `TargetPolicy`, `DraftPolicy`, `AppPolicy`) taking
-any `AutoscalingParams` field as a kwarg. `DEFAULT_PARAMS` reads `SPECDEC_AUTOSCALING_<FIELD>`
-env vars once, at import, in the process that serializes the policy (Ray pickles the module by
-value): the driver for `serve.run`, or the app's build task -- which runs with the application's
-runtime_env -- for `serve deploy`.
+Ray 2.60 (ray/serve/_private/autoscaling_state.py) instantiates a policy class once as
+`Class(**policy_kwargs)` (any `AutoscalingParams` field) and calls the instance every tick
+(~0.1 s): a deployment policy as `policy(ctx) -> (num_replicas, policy_state)`, an application
+policy as `policy({id: ctx}) -> ({id: num_replicas}, {id: state})`. The lower-case names
+(`router_policy`, `target_policy`, `draft_policy`, `app_policy`) are instances with the default
+params, for config files without kwargs. Our state lives under "specdec." keys beside Ray's.
+Ray's own upscale/downscale delays stack with ours: keep them short. `DEFAULT_PARAMS` reads
+`SPECDEC_AUTOSCALING_<FIELD>` once, in the process that pickles the policy (Ray pickles this
+module by value).
 """
 from __future__ import annotations
 
@@ -265,33 +243,52 @@ def _draft_units(ctx: "AutoscalingContext", p: AutoscalingParams,
 
 
 # ---------------------------------------------------------------------------------------------
-# deployment-level policies: policy(ctx) -> (num_replicas, policy_state)
+# policies: Ray instantiates Class(**policy_kwargs) once and calls the instance every tick
 # ---------------------------------------------------------------------------------------------
 
-def router_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
+class _Policy:
+    def __init__(self, **policy_kwargs: Any):
+        self.params = (AutoscalingParams(**{**DEFAULT_PARAMS.model_dump(), **policy_kwargs})
+                       if policy_kwargs else DEFAULT_PARAMS)
+
+
+class _DeploymentPolicy(_Policy):
+    key = ""
+
+    def units(self, ctx: "AutoscalingContext") -> float | None:
+        raise NotImplementedError
+
+    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
+        state = dict(ctx.policy_state or {})
+        return decide(ctx, self.units(ctx), self.params, state, self.key), state
+
+
+class RouterPolicy(_DeploymentPolicy):
     """Router: ongoing (running + queued) sequences per replica vs router_ongoing_per_replica."""
-    p = params or DEFAULT_PARAMS
-    state = dict(ctx.policy_state or {})
-    return decide(ctx, _router_units(ctx, p), p, state, "router"), state
+
+    key = "router"
+
+    def units(self, ctx):
+        return _router_units(ctx, self.params)
 
 
-def target_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
+class TargetPolicy(_DeploymentPolicy):
     """Target: tokens/s vs target_tokens_per_s and active sequences vs slots."""
-    p = params or DEFAULT_PARAMS
-    state = dict(ctx.policy_state or {})
-    return decide(ctx, _target_units(ctx, p), p, state, "target"), state
+
+    key = "target"
+
+    def units(self, ctx):
+        return _target_units(ctx, self.params)
 
 
-def draft_policy(ctx: "AutoscalingContext", params: AutoscalingParams | None = None) -> tuple[int, dict]:
+class DraftPolicy(_DeploymentPolicy):
     """Draft: proposed tokens/s vs draft_tokens_per_s (falls when speculation turns itself down)."""
-    p = params or DEFAULT_PARAMS
-    state = dict(ctx.policy_state or {})
-    return decide(ctx, _draft_units(ctx, p), p, state, "draft"), state
 
+    key = "draft"
 
-# ---------------------------------------------------------------------------------------------
-# application-level policy: policy(contexts) -> ({id: num_replicas}, {id: policy_state})
-# ---------------------------------------------------------------------------------------------
+    def units(self, ctx):
+        return _draft_units(ctx, self.params)
+
 
 def _weighted_mean(values: list[float] | None, weights: list[float] | None) -> float | None:
     if not values:
@@ -301,14 +298,19 @@ def _weighted_mean(values: list[float] | None, weights: list[float] | None) -> f
     return sum(values) / len(values)
 
 
-def app_policy(contexts: dict[Any, "AutoscalingContext"],
-               params: AutoscalingParams | None = None) -> tuple[dict[Any, int], dict[Any, dict]]:
+class AppPolicy(_Policy):
+    """One decision for Router, Target and Draft from the router's queue and acceptance."""
+
+    def __call__(self, contexts: dict[Any, "AutoscalingContext"]) -> tuple[dict[Any, int], dict[Any, dict]]:
+        return _app_decisions(contexts, self.params)
+
+
+def _app_decisions(contexts: dict[Any, "AutoscalingContext"], p: AutoscalingParams) -> tuple[dict[Any, int], dict[Any, dict]]:
     """One decision for Router, Target and Draft from the router's queue and acceptance.
 
     Deployments are recognized by name (params.*_deployment); others are left out of the
     decisions (Ray then keeps their replica count and state).
     """
-    p = params or DEFAULT_PARAMS
     by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
     states = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
     decisions: dict[Any, int] = {}
@@ -364,83 +366,37 @@ def app_policy(contexts: dict[Any, "AutoscalingContext"],
     return decisions, states
 
 
-# ---------------------------------------------------------------------------------------------
-# class forms: Ray instantiates Class(**policy_kwargs) once and calls the instance every tick
-# ---------------------------------------------------------------------------------------------
-
-class _Configured:
-    def __init__(self, **policy_kwargs: Any):
-        self.params = (AutoscalingParams(**{**DEFAULT_PARAMS.model_dump(), **policy_kwargs})
-                       if policy_kwargs else DEFAULT_PARAMS)
-
-
-class RouterPolicy(_Configured):
-    """`router_policy` with AutoscalingParams fields as policy_kwargs."""
-
-    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
-        return router_policy(ctx, self.params)
-
-
-class TargetPolicy(_Configured):
-    """`target_policy` with AutoscalingParams fields as policy_kwargs."""
-
-    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
-        return target_policy(ctx, self.params)
-
-
-class DraftPolicy(_Configured):
-    """`draft_policy` with AutoscalingParams fields as policy_kwargs."""
-
-    def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
-        return draft_policy(ctx, self.params)
-
-
-class AppPolicy(_Configured):
-    """`app_policy` with AutoscalingParams fields as policy_kwargs."""
-
-    def __call__(self, contexts: dict[Any, "AutoscalingContext"]) -> tuple[dict[Any, int], dict[Any, dict]]:
-        return app_policy(contexts, self.params)
+router_policy, target_policy, draft_policy, app_policy = RouterPolicy(), TargetPolicy(), DraftPolicy(), AppPolicy()
 
 
 # ---------------------------------------------------------------------------------------------
 # config helpers for the builder
 # ---------------------------------------------------------------------------------------------
 
-POLICY_PATHS = {
-    "router": f"{__name__}:RouterPolicy",
-    "target": f"{__name__}:TargetPolicy",
-    "draft": f"{__name__}:DraftPolicy",
-    "app": f"{__name__}:AppPolicy",
-}
-
-
-def policy_for(name: str, **policy_kwargs: Any):
-    """The Ray `AutoscalingPolicy` for a deployment name or role (Router/Target/Draft, any case),
-    running the class form so `policy_kwargs` (AutoscalingParams fields) take effect."""
-    from ray.serve.config import AutoscalingPolicy
-
-    role = name.lower()
-    if role not in ("router", "target", "draft"):
-        raise ValueError(f"no autoscaling policy for deployment {name!r}")
-    AutoscalingParams(**{**DEFAULT_PARAMS.model_dump(), **policy_kwargs})  # fail early on typos
-    return AutoscalingPolicy(policy_function=POLICY_PATHS[role], policy_kwargs=policy_kwargs)
+_ROLES = {"router": RouterPolicy, "target": TargetPolicy, "draft": DraftPolicy}
 
 
 def autoscaling_config(role: str, *, min_replicas: int = 1, max_replicas: int = 1,
                        policy_kwargs: dict[str, Any] | None = None, **overrides: Any):
-    """A Ray `AutoscalingConfig` running this module's policy for `role` (router/target/draft).
+    """A Ray `AutoscalingConfig` running this module's policy class for a deployment role or name
+    (Router/Target/Draft, any case) with `policy_kwargs` (AutoscalingParams fields, checked now).
 
     Ray's own upscale/downscale delays default to small values here because the policies keep
     their own cooldown and downscale delay; any AutoscalingConfig field can be overridden.
     """
-    from ray.serve.config import AutoscalingConfig
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
-    fields: dict[str, Any] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
-                              "upscale_delay_s": 2.0, "downscale_delay_s": 5.0}
-    fields.update(overrides)
-    return AutoscalingConfig(policy=policy_for(role, **(policy_kwargs or {})), **fields)
+    cls = _ROLES.get(role.lower())
+    if cls is None:
+        raise ValueError(f"no autoscaling policy for deployment {role!r}")
+    cls(**(policy_kwargs or {}))  # fail early on typos
+    policy = AutoscalingPolicy(policy_function=f"{__name__}:{cls.__name__}", policy_kwargs=policy_kwargs or {})
+    fields = {"min_replicas": min_replicas, "max_replicas": max_replicas, "upscale_delay_s": 2.0,
+              "downscale_delay_s": 5.0, **overrides}
+    return AutoscalingConfig(policy=policy, **fields)
 
 
 def app_autoscaling_policy(**policy_kwargs: Any) -> dict[str, Any]:
     """The `autoscaling_policy` entry of a Serve config application running `AppPolicy`."""
-    return {"policy_function": POLICY_PATHS["app"], "policy_kwargs": policy_kwargs}
+    AppPolicy(**policy_kwargs)  # fail early on typos
+    return {"policy_function": f"{__name__}:AppPolicy", "policy_kwargs": policy_kwargs}

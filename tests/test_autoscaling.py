@@ -49,8 +49,8 @@ def make_ctx(name: str, *, replicas: int, target: int | None = None, totals: dic
 class Sim:
     """One deployment under a deployment-level policy."""
 
-    def __init__(self, policy, name: str, replicas: int = 1, **bounds):
-        self.policy, self.name, self.replicas, self.bounds = policy, name, replicas, bounds
+    def __init__(self, policy_cls, name: str, replicas: int = 1, **bounds):
+        self.policy, self.name, self.replicas, self.bounds = policy_cls(**P.model_dump()), name, replicas, bounds
         self.state: dict = {}
         self.last_up: float | None = None
         self.history: list[int] = []
@@ -58,7 +58,7 @@ class Sim:
     def step(self, now: float, totals: dict | None = None, means: dict | None = None, **kw) -> int:
         ctx = make_ctx(self.name, replicas=self.replicas, totals=totals, means=means, state=self.state,
                        now=now, last_up=self.last_up, **self.bounds, **kw)
-        n, self.state = self.policy(ctx, P)
+        n, self.state = self.policy(ctx)
         assert isinstance(n, int) and isinstance(self.state, dict)
         if n > self.replicas:
             self.last_up = now
@@ -74,7 +74,7 @@ def changes(history: list[int]) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def test_target_load_rising_scales_up():
-    sim = Sim(A.target_policy, "Target", replicas=1)
+    sim = Sim(A.TargetPolicy, "Target", replicas=1)
     t = T0
     for tps in (50, 90, 200, 400, 600):
         for _ in range(3):  # a few ticks per level, 20 s apart (past the upscale cooldown)
@@ -86,7 +86,7 @@ def test_target_load_rising_scales_up():
 
 
 def test_upscale_cooldown_after_real_scale_up():
-    sim = Sim(A.target_policy, "Target", replicas=1)
+    sim = Sim(A.TargetPolicy, "Target", replicas=1)
     assert sim.step(T0, totals={A.TARGET_TOKENS_PER_S: 150}) == 3
     # metrics still lag: even more load, but within the cooldown -> hold
     assert sim.step(T0 + 5, totals={A.TARGET_TOKENS_PER_S: 400}) == 3
@@ -94,7 +94,7 @@ def test_upscale_cooldown_after_real_scale_up():
 
 
 def test_load_falling_returns_to_min_after_delay():
-    sim = Sim(A.target_policy, "Target", replicas=5, min_replicas=1)
+    sim = Sim(A.TargetPolicy, "Target", replicas=5, min_replicas=1)
     t = T0
     for _ in range(11):  # 0..50 s of idle: still inside the 60 s downscale delay
         assert sim.step(t, totals={A.TARGET_TOKENS_PER_S: 0.0, A.TARGET_ACTIVE_SEQUENCES: 0}) == 5
@@ -104,7 +104,7 @@ def test_load_falling_returns_to_min_after_delay():
 
 
 def test_downscale_timer_resets_when_load_returns():
-    sim = Sim(A.target_policy, "Target", replicas=4)
+    sim = Sim(A.TargetPolicy, "Target", replicas=4)
     sim.step(T0, totals={A.TARGET_TOKENS_PER_S: 50})  # low: timer starts
     sim.step(T0 + 50, totals={A.TARGET_TOKENS_PER_S: 300})  # back in band: timer resets
     assert sim.step(T0 + 70, totals={A.TARGET_TOKENS_PER_S: 50}) == 4  # 20 s low, not 60
@@ -112,23 +112,23 @@ def test_downscale_timer_resets_when_load_returns():
 
 
 def test_target_scales_on_sequences():
-    sim = Sim(A.target_policy, "Target", replicas=1)
+    sim = Sim(A.TargetPolicy, "Target", replicas=1)
     n = sim.step(T0, totals={A.TARGET_TOKENS_PER_S: 10, A.TARGET_ACTIVE_SEQUENCES: 32})
     assert n == math.ceil(32 / 16 / P.target_utilization)  # 3
 
 
 def test_router_policy_ongoing_requests_and_builtin_fallback():
-    sim = Sim(A.router_policy, "Router", replicas=1)
+    sim = Sim(A.RouterPolicy, "Router", replicas=1)
     assert sim.step(T0, totals={A.ROUTER_ONGOING_REQUESTS: 20}) == 1  # u = 0.62: in band
     assert sim.step(T0 + 1, totals={A.ROUTER_ONGOING_REQUESTS: 64}) == 3
     # before any custom stats arrive, Serve's own ongoing-request count is used
     ctx = make_ctx("Router", replicas=1, total_requests=64.0)
-    assert A.router_policy(ctx, P)[0] == 3
+    assert A.RouterPolicy(**P.model_dump())(ctx)[0] == 3
 
 
 def test_draft_released_when_acceptance_collapses_and_returns_on_recovery():
     # Deployment-level: the router's adaptive k turns speculation down, so proposals/s fall.
-    sim = Sim(A.draft_policy, "Draft", replicas=1, min_replicas=1)
+    sim = Sim(A.DraftPolicy, "Draft", replicas=1, min_replicas=1)
     t = T0
     sim.step(t, totals={A.DRAFT_TOKENS_PER_S: 1200})  # healthy speculation: 1200 / 400 / 0.7
     assert sim.replicas == 5
@@ -143,12 +143,12 @@ def test_draft_released_when_acceptance_collapses_and_returns_on_recovery():
 
 def test_flapping_near_a_threshold_does_not_oscillate():
     # around the upscale threshold (0.85 of 100 tok/s on one replica)
-    sim = Sim(A.target_policy, "Target", replicas=1)
+    sim = Sim(A.TargetPolicy, "Target", replicas=1)
     for i in range(200):
         sim.step(T0 + 5 * i, totals={A.TARGET_TOKENS_PER_S: 95 if i % 2 else 80})
     assert changes(sim.history) <= 1
     # around the downscale threshold (0.5 per replica on two replicas), for 20 minutes
-    sim = Sim(A.target_policy, "Target", replicas=2)
+    sim = Sim(A.TargetPolicy, "Target", replicas=2)
     for i in range(240):
         sim.step(T0 + 5 * i, totals={A.TARGET_TOKENS_PER_S: 60 if i % 2 else 110})
     assert changes(sim.history) == 0
@@ -156,27 +156,27 @@ def test_flapping_near_a_threshold_does_not_oscillate():
 
 def test_clamped_to_min_and_max():
     ctx = make_ctx("Target", replicas=2, totals={A.TARGET_TOKENS_PER_S: 10_000}, max_replicas=4)
-    assert A.target_policy(ctx, P)[0] == 4
+    assert A.TargetPolicy(**P.model_dump())(ctx)[0] == 4
     ctx = make_ctx("Target", replicas=3, totals={A.TARGET_TOKENS_PER_S: 0}, min_replicas=2,
                    state={"specdec.target.low_since": T0 - 1000, "specdec.target.low_base": 3})
-    assert A.target_policy(ctx, P)[0] == 2
+    assert A.TargetPolicy(**P.model_dump())(ctx)[0] == 2
     # bounds moved under the current count (e.g. target_capacity): clamp at once
     ctx = make_ctx("Target", replicas=6, totals={A.TARGET_TOKENS_PER_S: 420}, max_replicas=3)
-    assert A.target_policy(ctx, P)[0] == 3
+    assert A.TargetPolicy(**P.model_dump())(ctx)[0] == 3
     ctx = make_ctx("Draft", replicas=0, min_replicas=1)  # no data, below min
-    assert A.draft_policy(ctx, P)[0] == 1
+    assert A.DraftPolicy(**P.model_dump())(ctx)[0] == 1
 
 
 def test_missing_metrics_hold_current_count():
     ctx = make_ctx("Target", replicas=3)  # replicas have not reported yet
-    n, state = A.target_policy(ctx, P)
+    n, state = A.TargetPolicy(**P.model_dump())(ctx)
     assert n == 3 and state == {}
 
 
 def test_policy_state_preserves_foreign_keys():
     ctx = make_ctx("Target", replicas=2, totals={A.TARGET_TOKENS_PER_S: 40},
                    state={"__ray_internal": 7})
-    _, state = A.target_policy(ctx, P)
+    _, state = A.TargetPolicy(**P.model_dump())(ctx)
     assert state["__ray_internal"] == 7 and "specdec.target.low_since" in state
 
 
@@ -209,7 +209,7 @@ class AppSim:
                               **self.bounds["Draft"]),
         }
         contexts = {c.deployment_id: c for c in ctxs.values()}
-        decisions, states = A.app_policy(contexts, self.params)
+        decisions, states = A.AppPolicy(**self.params.model_dump())(contexts)
         for name, c in ctxs.items():
             n = decisions[c.deployment_id]
             if n > self.n[name]:
@@ -241,7 +241,7 @@ def test_app_policy_decides_all_three_keyed_by_deployment_id():
 
 def test_app_policy_ignores_unknown_deployments():
     ctx = make_ctx("Tokenizer", replicas=2)
-    decisions, states = A.app_policy({ctx.deployment_id: ctx}, P)
+    decisions, states = A.AppPolicy(**P.model_dump())({ctx.deployment_id: ctx})
     assert decisions == {} and set(states) == {ctx.deployment_id}
 
 
@@ -319,16 +319,19 @@ def test_class_policy_receives_policy_kwargs():
         A.TargetPolicy(no_such_knob=1)
 
 
-def test_policy_for_deployment_names():
+def test_autoscaling_config_for_deployment_names():
     for name, cls in (("Router", "RouterPolicy"), ("Target", "TargetPolicy"), ("draft", "DraftPolicy")):
-        policy = A.policy_for(name)
+        policy = A.autoscaling_config(name, max_replicas=4).policy
         assert policy.policy_function == f"serve_app.autoscaling:{cls}"
         assert AutoscalingConfig(min_replicas=1, max_replicas=4, policy=policy).policy == policy
-    assert A.policy_for("Target", target_tokens_per_s=9.0).policy_kwargs == {"target_tokens_per_s": 9.0}
+    cfg = A.autoscaling_config("Target", policy_kwargs={"target_tokens_per_s": 9.0})
+    assert cfg.policy.policy_kwargs == {"target_tokens_per_s": 9.0}
     with pytest.raises(ValueError):
-        A.policy_for("Tokenizer")
+        A.autoscaling_config("Tokenizer")
+    with pytest.raises(ValueError):  # typo caught when building the app
+        A.autoscaling_config("Target", policy_kwargs={"target_tokens_per_sec": 9.0})
     with pytest.raises(ValueError):
-        A.policy_for("Target", target_tokens_per_sec=9.0)  # typo caught when building the app
+        A.app_autoscaling_policy(target_tokens_per_sec=9.0)
 
 
 def test_app_level_policy_in_serve_config_schema():
