@@ -13,6 +13,7 @@ adds prompts for debugging).
 # rewrites their signatures, outside this module's globals, so they must be real objects.
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -29,11 +30,9 @@ from deployments import tracing
 from deployments.router import Overloaded, RequestFailed, SpecRouter
 from serve_app import constants
 from serve_app.args import ApiConfig
-from serve_app.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, SpeculativeUsage,
-                                chat_chunk, chat_response, chat_usage_chunk, completion_chunk,
-                                completion_response, completion_usage_chunk, model_list, new_chat_completion_id,
-                                new_completion_id, now, parse_request, sse, to_sampling_params, usage, validate_limits,
-                                wire)
+from serve_app.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatResponses, CompletionRequest,
+                                CompletionResponses, SpeculativeUsage, model_list, parse_request, sse,
+                                to_sampling_params, usage, validate_limits, wire)
 from specdec.prompts import encode_chat, encode_text
 from specdec.sequence import Sequence
 
@@ -142,11 +141,7 @@ class OpenAIIngress:
     def __init__(self, router_config: dict, api_config: dict, draft_handle, target_handle):
         self.batcher = SpecRouter(router_config, _direct(draft_handle), _direct(target_handle))
         self.api = ApiConfig(**api_config)
-        keys = constants.load_api_keys()
-        if self.api.api_keys_file:
-            with open(self.api.api_keys_file, encoding="utf-8") as f:
-                keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
-        self.api_keys = [k.encode() for k in keys]
+        self.api_keys = [k.encode() for k in constants.load_api_keys(self.api.api_keys_file)]
         if self.api.require_api_key and not self.api_keys:
             raise ValueError(f"require_api_key is set but no keys in ${constants.API_KEYS_ENV}, "
                              f"${constants.API_KEYS_FILE_ENV} or api.api_keys_file")
@@ -218,15 +213,15 @@ class OpenAIIngress:
 
     async def _body(self, request: Request) -> bytes:
         limit = self.api.max_body_bytes
+        too_large = APIError(f"Request body too large: limit is {limit} bytes.", status=413, code="body_too_large")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            raise APIError(f"Request body too large: limit is {limit} bytes.", status=413, code="body_too_large")
+            raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise APIError(f"Request body too large: limit is {limit} bytes.", status=413,
-                               code="body_too_large")
+                raise too_large
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -250,13 +245,9 @@ class OpenAIIngress:
             raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; you "
                            f"requested {longest + base.max_tokens} ({longest} in the prompt, {base.max_tokens} "
                            f"in the completion).", param=req.max_tokens_param, code="context_length_exceeded")
-        params = []
-        for i in range(req.num_choices):
-            p = to_sampling_params(req, default_max_tokens=min(default, room))
-            if p.seed is not None:
-                p.seed = p.seed + i  # distinct, reproducible samples per choice
-            params.append(p)
-        return params
+        # distinct, reproducible samples per choice: seed + choice index
+        return [dataclasses.replace(base, seed=None if base.seed is None else base.seed + i)
+                for i in range(req.num_choices)]
 
     def _encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -270,7 +261,8 @@ class OpenAIIngress:
         return ids
 
     async def _run(self, request: Request, req, prompts, params, chat: bool) -> Response:
-        rid = new_chat_completion_id() if chat else new_completion_id()
+        out = (ChatResponses if chat else CompletionResponses)(model=self.cfg.model_name)
+        rid = out.request_id
         span, ctx = tracing.start_span("router.request", dict(request.headers), request_id=rid,
                                        stream=bool(req.stream), n=req.num_choices, prompts=len(prompts))
         if constants.DEBUG_LOG_PROMPTS:
@@ -282,61 +274,45 @@ class OpenAIIngress:
                     s.meta.update(trace_ctx=ctx, request_id=rid)
                     seqs.append(s)
         except BaseException:
-            for s in seqs:
-                self.batcher.finish(s)
-            span.end()
+            self._end(seqs, span)
             raise
         if req.stream:
-            gen = self._stream(req, rid, seqs, prompts, chat, span)
-            return StreamingResponse(gen, media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, out, seqs, prompts, span), media_type="text/event-stream")
         try:
             async for _ in self._watch(seqs):
                 pass
             usage = self._usage(seqs, prompts, speculative=True)
             span.set_attribute("completion_tokens", usage.completion_tokens)
-            texts = [s.text for s in seqs]
-            reasons = [_finish(s) for s in seqs]
-            build = chat_response if chat else completion_response
-            body = build(model=self.cfg.model_name, texts=texts, finish_reasons=reasons, usage=usage, request_id=rid)
-            return JSONResponse(wire(body))
+            return JSONResponse(wire(out.response([s.text for s in seqs], [_finish(s) for s in seqs], usage)))
         finally:
-            for s in seqs:
-                self.batcher.finish(s)
-            span.end()
+            self._end(seqs, span)
 
-    async def _stream(self, req, rid, seqs, prompts, chat: bool, span) -> AsyncIterator[str]:
-        created, model = now(), self.cfg.model_name
+    def _end(self, seqs: list[Sequence], span) -> None:
+        """Free a request's sequences (finished, failed or disconnected) and end its span."""
+        for s in seqs:
+            self.batcher.finish(s)
+        span.end()
+
+    async def _stream(self, req, out, seqs, prompts, span) -> AsyncIterator[str]:
         try:
-            if chat:
-                for i in range(len(seqs)):
-                    yield sse(chat_chunk(request_id=rid, model=model, created=created, index=i, role="assistant",
-                                         content=""))
+            for chunk in out.opening(len(seqs)):
+                yield sse(chunk)
             try:
                 async for i, s in self._watch(seqs):
                     delta = s.take_delta()
                     if delta:
-                        yield sse(chat_chunk(request_id=rid, model=model, created=created, index=i, content=delta)
-                                  if chat else completion_chunk(request_id=rid, model=model, created=created,
-                                                                text=delta, index=i))
+                        yield sse(out.chunk(i, delta))
                     if s.finished:
-                        yield sse(chat_chunk(request_id=rid, model=model, created=created, index=i,
-                                             finish_reason=_finish(s))
-                                  if chat else completion_chunk(request_id=rid, model=model, created=created,
-                                                                text="", index=i, finish_reason=_finish(s)))
+                        yield sse(out.finish(i, _finish(s)))
             except RequestFailed as e:
                 yield sse(APIError(str(e), status=e.status).body())
                 yield SSE_DONE
                 return
             if req.include_usage:
-                usage = self._usage(seqs, prompts, speculative=False)
-                yield sse(chat_usage_chunk(request_id=rid, model=model, created=created, usage=usage)
-                          if chat else completion_usage_chunk(request_id=rid, model=model, created=created,
-                                                              usage=usage))
+                yield sse(out.usage_chunk(self._usage(seqs, prompts, speculative=False)))
             yield SSE_DONE
-        finally:  # also on client disconnect (the generator is cancelled): free the sequences
-            for s in seqs:
-                self.batcher.finish(s)
-            span.end()
+        finally:  # also on client disconnect (the generator is cancelled)
+            self._end(seqs, span)
 
     async def _watch(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Sequence]]:
         """Yield (index, seq) each time a sequence changes, until all are finished."""

@@ -16,10 +16,11 @@ AUTO_PROPOSER_WITHOUT_DRAFT = "ngram"
 APP_NAME = os.environ.get("SPECDEC_APP_NAME", "specdec")
 
 
-def load_api_keys() -> list[str]:
+def load_api_keys(*files: str | None) -> list[str]:
+    """Keys from SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE and `files` (one key per line, '#' comments)."""
     keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    path = os.environ.get(API_KEYS_FILE_ENV)
-    if path:
-        with open(path, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    for path in (os.environ.get(API_KEYS_FILE_ENV), *files):
+        if path:
+            with open(path, encoding="utf-8") as f:
+                keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
     return keys

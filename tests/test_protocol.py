@@ -416,8 +416,7 @@ def test_usage_total():
 
 
 def test_completion_response(spec):
-    resp = P.completion_response(model="m", texts=["a", "bc"], finish_reasons=["stop", "length"],
-                                 usage=USAGE)
+    resp = P.CompletionResponses(model="m").response(["a", "bc"], ["stop", "length"], USAGE)
     obj = _check(resp, "CreateCompletionResponse")
     assert obj["id"].startswith("cmpl-") and obj["object"] == "text_completion"
     assert [c["index"] for c in obj["choices"]] == [0, 1]
@@ -426,25 +425,26 @@ def test_completion_response(spec):
     assert obj["usage"]["speculative"] == {"proposed_tokens": 12, "accepted_tokens": 9,
                                            "rounds": 4}
     with pytest.raises(ValueError):
-        P.completion_response(model="m", texts=["a"], finish_reasons=[], usage=USAGE)
+        P.CompletionResponses(model="m").response(["a"], [], USAGE)
 
 
 def test_completion_chunks(spec):
-    mid = P.completion_chunk(**IDS, text="Hel", index=1)
+    out = P.CompletionResponses(**IDS)
+    assert out.opening(2) == []
+    mid = out.chunk(1, "Hel")
     obj = _check(mid, openai_schema.COMPLETION_CHUNK)
     assert obj["choices"] == [{"index": 1, "text": "Hel", "finish_reason": None, "logprobs": None}]
     assert "usage" not in obj
-    last = P.completion_chunk(**IDS, text="", finish_reason="stop")
+    last = out.finish(0, "stop")
     _check(last, "CreateCompletionResponse")
-    usage_chunk = P.completion_usage_chunk(**IDS, usage=USAGE)
+    usage_chunk = out.usage_chunk(USAGE)
     obj = _check(usage_chunk, "CreateCompletionResponse")
     assert obj["choices"] == [] and "speculative" not in obj["usage"]
     assert obj["usage"]["total_tokens"] == 18
 
 
 def test_chat_response(spec):
-    resp = P.chat_response(model="m", texts=["Paris.", ""], finish_reasons=["stop", "length"],
-                           usage=USAGE, created=123)
+    resp = P.ChatResponses(model="m", created=123).response(["Paris.", ""], ["stop", "length"], USAGE)
     obj = _check(resp, "CreateChatCompletionResponse")
     assert obj["id"].startswith("chatcmpl-") and obj["object"] == "chat.completion"
     assert obj["created"] == 123
@@ -455,19 +455,20 @@ def test_chat_response(spec):
 
 
 def test_chat_chunks(spec):
-    ids = {**IDS, "request_id": "chatcmpl-test"}
-    first = _check(P.chat_chunk(**ids, role="assistant", content=""),
-                   "CreateChatCompletionStreamResponse")
+    out = P.ChatResponses(**{**IDS, "request_id": "chatcmpl-test"})
+    openings = out.opening(2)
+    assert [o.choices[0].index for o in openings] == [0, 1]
+    first = _check(openings[0], "CreateChatCompletionStreamResponse")
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["choices"][0]["finish_reason"] is None and "usage" not in first
-    middle = _check(P.chat_chunk(**ids, index=2, content="lo"),
+    middle = _check(out.chunk(2, "lo"),
                     "CreateChatCompletionStreamResponse")
     assert middle["choices"][0]["delta"] == {"content": "lo"} and middle["choices"][0]["index"] == 2
-    final = _check(P.chat_chunk(**ids, finish_reason="length"),
+    final = _check(out.finish(0, "length"),
                    "CreateChatCompletionStreamResponse")
     assert final["choices"][0]["delta"] == {} and final["choices"][0]["finish_reason"] == "length"
-    usage = _check(P.chat_usage_chunk(**ids, usage=USAGE), "CreateChatCompletionStreamResponse")
+    usage = _check(out.usage_chunk(USAGE), "CreateChatCompletionStreamResponse")
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 13, "total_tokens": 18}
 
@@ -516,7 +517,7 @@ def test_overloaded_retry_after_header():
 
 
 def test_sse_framing():
-    chunk = P.chat_chunk(request_id="x", model="m", created=1, content="a\nb ✓")
+    chunk = P.ChatResponses(request_id="x", model="m", created=1).chunk(0, "a\nb ✓")
     for framed, payload in [(P.sse(chunk), chunk),
                             (P.sse({"error": {"message": "m"}}), {"error": {"message": "m"}})]:
         assert framed.startswith("data: ") and framed.endswith("\n\n")
@@ -530,20 +531,20 @@ def test_sse_framing():
 # --------------------------------------------------------------------------------------------
 
 def test_schema_helper_handles_openapi_nullable(spec):
-    chunk = P.wire(P.chat_chunk(request_id="x", model="m", created=1, content="a"))
+    chunk = P.wire(P.ChatResponses(request_id="x", model="m", created=1).chunk(0, "a"))
     chunk["usage"] = None  # `$ref` + `nullable: true` in the document
     openai_schema.validate(chunk, "CreateChatCompletionStreamResponse")
     bad = copy.deepcopy(chunk)
     bad["choices"][0]["finish_reason"] = "bogus"
     with pytest.raises(openai_schema.SchemaMismatch):
         openai_schema.validate(bad, "CreateChatCompletionStreamResponse")
-    legacy_chunk = P.wire(P.completion_chunk(request_id="x", model="m", created=1, text="a"))
+    legacy_chunk = P.wire(P.CompletionResponses(request_id="x", model="m", created=1).chunk(0, "a"))
     with pytest.raises(openai_schema.SchemaMismatch, match="finish_reason"):
         openai_schema.validate(legacy_chunk, "CreateCompletionResponse")  # the spec's quirk
 
 
 def test_schema_helper_strips_extensions(spec):
-    resp = P.chat_response(model="m", texts=["x"], finish_reasons=["stop"], usage=USAGE)
+    resp = P.ChatResponses(model="m").response(["x"], ["stop"], USAGE)
     obj = P.wire(resp)
     stripped = openai_schema.strip_extension_fields(obj)
     assert "speculative" not in stripped["usage"] and "speculative" in obj["usage"]
@@ -575,13 +576,13 @@ def test_openai_sdk_parses_responses():
     chat = pytest.importorskip("openai.types.chat")
     usage = USAGE
     c = types.Completion.model_validate(
-        P.wire(P.completion_response(model="m", texts=["a"], finish_reasons=["stop"], usage=usage)))
+        P.wire(P.CompletionResponses(model="m").response(["a"], ["stop"], usage)))
     assert c.choices[0].text == "a" and c.usage.total_tokens == 18
     r = chat.ChatCompletion.model_validate(
-        P.wire(P.chat_response(model="m", texts=["b"], finish_reasons=["length"], usage=usage)))
+        P.wire(P.ChatResponses(model="m").response(["b"], ["length"], usage)))
     assert r.choices[0].message.content == "b"
     k = chat.ChatCompletionChunk.model_validate(
-        P.wire(P.chat_chunk(request_id="x", model="m", created=1, content="c")))
+        P.wire(P.ChatResponses(request_id="x", model="m", created=1).chunk(0, "c")))
     assert k.choices[0].delta.content == "c"
 
 

@@ -12,16 +12,13 @@ from serve_app.protocol.errors import APIError, validation_error_to_api_error
 from serve_app.protocol.requests import (MAX_STOP_TOKEN_IDS, AnyRequest, ChatCompletionRequest, ChatMessage,
                                          CompletionRequest, StreamOptions, TextContentPart, parse_request,
                                          to_sampling_params, validate_limits)
-from serve_app.protocol.responses import (SSE_DONE, FinishReason, SpeculativeUsage, chat_chunk, chat_response,
-                                          chat_usage_chunk, completion_chunk, completion_response,
-                                          completion_usage_chunk, model_list, new_chat_completion_id,
-                                          new_completion_id, now, sse, usage, wire)
+from serve_app.protocol.responses import (SSE_DONE, ChatResponses, CompletionResponses, FinishReason,
+                                          SpeculativeUsage, model_list, now, sse, usage, wire)
 
 __all__ = [
     "APIError", "validation_error_to_api_error",
     "MAX_STOP_TOKEN_IDS", "AnyRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
     "StreamOptions", "TextContentPart", "parse_request", "to_sampling_params", "validate_limits",
-    "SSE_DONE", "FinishReason", "SpeculativeUsage", "chat_chunk", "chat_response", "chat_usage_chunk",
-    "completion_chunk", "completion_response", "completion_usage_chunk", "model_list",
-    "new_chat_completion_id", "new_completion_id", "now", "sse", "usage", "wire",
+    "SSE_DONE", "ChatResponses", "CompletionResponses", "FinishReason", "SpeculativeUsage", "model_list",
+    "now", "sse", "usage", "wire",
 ]

@@ -6,9 +6,7 @@ What goes on the wire is `wire(obj)`: the fields that were set, nulls included (
 to None explicitly), and nothing that was not (`usage` in ordinary chunks, `delta.role` after a
 choice's first chunk). Extensions ride on the models' `extra="allow"`: `usage.speculative`
 (draft tokens proposed/accepted, verification rounds; non-streaming responses only) and
-`max_model_len` on model cards. A streamed text-completion chunk has `finish_reason: null`,
-which the library's `CompletionChoice` type does not admit (OpenAI's own streams send it), so
-those choices are constructed without validation, as the library does when it parses a stream.
+`max_model_len` on model cards.
 """
 from __future__ import annotations
 
@@ -16,7 +14,8 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
@@ -60,81 +59,97 @@ def now() -> int:
     return int(time.time())
 
 
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+@dataclass
+class _Responses:
+    """The response objects of one request (one id, model and `created` for all of them):
+    `response(...)` for a whole answer, then for streams `opening(n)` (chunks before any text),
+    `chunk(i, text)` (a delta of choice i), `finish(i, reason)` and `usage_chunk(usage)` (no
+    choices, the counts without the extension), then SSE_DONE. Several prompts with n choices
+    each are prompt-major: index = prompt_index * n + choice_index, as OpenAI does."""
+
+    model: str
+    request_id: str = ""
+    created: int = field(default_factory=now)
+    prefix: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or f"{self.prefix}-{uuid.uuid4().hex}"
+
+    def opening(self, n: int) -> list[BaseModel]:
+        return []
 
 
-def new_chat_completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+class CompletionResponses(_Responses):
+    """POST /v1/completions. A streamed choice has `finish_reason: null`, which the library's
+    `CompletionChoice` does not admit (OpenAI's own streams send it), so stream choices are
+    constructed without validation, as the library does when it parses a stream."""
+
+    prefix = "cmpl"
+
+    def _make(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
+        return Completion(id=self.request_id, object="text_completion", created=self.created, model=self.model,
+                          choices=choices, **({"usage": usage} if usage is not None else {}))
+
+    @staticmethod
+    def _choice(index: int, text: str, finish_reason: FinishReason | None) -> CompletionChoice:
+        fields = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        if finish_reason is None:
+            return CompletionChoice.model_construct(_fields_set=set(fields), **fields)
+        return CompletionChoice(**fields)
+
+    def response(self, texts: Sequence[str], finish_reasons: Sequence[FinishReason],
+                 usage: CompletionUsage) -> Completion:
+        return self._make([self._choice(i, t, f) for i, (t, f) in enumerate(_pairs(texts, finish_reasons))], usage)
+
+    def chunk(self, index: int, text: str) -> Completion:
+        return self._make([self._choice(index, text, None)])
+
+    def finish(self, index: int, reason: FinishReason) -> Completion:
+        return self._make([self._choice(index, "", reason)])
+
+    def usage_chunk(self, usage: CompletionUsage) -> Completion:
+        return self._make([], without_speculative(usage))
 
 
-def _check_lengths(texts: Sequence[str], finish_reasons: Sequence[FinishReason]) -> None:
+class ChatResponses(_Responses):
+    """POST /v1/chat/completions; a stream opens each choice with `{"role": "assistant",
+    "content": ""}` and ends it with an empty delta and its finish_reason."""
+
+    prefix = "chatcmpl"
+
+    def response(self, texts: Sequence[str], finish_reasons: Sequence[FinishReason],
+                 usage: CompletionUsage) -> ChatCompletion:
+        choices = [ChatChoice(index=i, finish_reason=f, logprobs=None,
+                              message=ChatCompletionMessage(role="assistant", content=t, refusal=None))
+                   for i, (t, f) in enumerate(_pairs(texts, finish_reasons))]
+        return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created, model=self.model,
+                              choices=choices, usage=usage)
+
+    def _chunk(self, choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk", created=self.created,
+                                   model=self.model, choices=choices, **({"usage": usage} if usage is not None else {}))
+
+    def _delta(self, index: int, finish_reason: FinishReason | None = None, **delta: str) -> ChatCompletionChunk:
+        return self._chunk([ChunkChoice(index=index, delta=ChoiceDelta(**delta), finish_reason=finish_reason,
+                                        logprobs=None)])
+
+    def opening(self, n: int) -> list[ChatCompletionChunk]:
+        return [self._delta(i, role="assistant", content="") for i in range(n)]
+
+    def chunk(self, index: int, text: str) -> ChatCompletionChunk:
+        return self._delta(index, content=text)
+
+    def finish(self, index: int, reason: FinishReason) -> ChatCompletionChunk:
+        return self._delta(index, reason)
+
+    def usage_chunk(self, usage: CompletionUsage) -> ChatCompletionChunk:
+        return self._chunk([], without_speculative(usage))
+
+
+def _pairs(texts: Sequence[str], finish_reasons: Sequence[FinishReason]) -> zip:
     if len(texts) != len(finish_reasons):
         raise ValueError(f"{len(texts)} texts but {len(finish_reasons)} finish reasons")
-
-
-def _completion_choice(index: int, text: str, finish_reason: FinishReason | None) -> CompletionChoice:
-    fields = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    if finish_reason is None:  # a stream chunk (see the module docstring)
-        return CompletionChoice.model_construct(_fields_set=set(fields), **fields)
-    return CompletionChoice(**fields)
-
-
-def completion_response(*, model: str, texts: Sequence[str], finish_reasons: Sequence[FinishReason],
-                        usage: CompletionUsage, request_id: str | None = None,
-                        created: int | None = None) -> Completion:
-    """A full /v1/completions response; `texts[i]` becomes choice i (several prompts with n
-    choices each: prompt-major, index = prompt_index * n + choice_index, as OpenAI does)."""
-    _check_lengths(texts, finish_reasons)
-    choices = [_completion_choice(i, t, f) for i, (t, f) in enumerate(zip(texts, finish_reasons))]
-    return Completion(id=request_id or new_completion_id(), object="text_completion", created=created or now(),
-                      model=model, choices=choices, usage=usage)
-
-
-def completion_chunk(*, request_id: str, model: str, created: int, text: str, index: int = 0,
-                     finish_reason: FinishReason | None = None) -> Completion:
-    """One streamed /v1/completions chunk: `text` is the delta of choice `index`."""
-    return Completion(id=request_id, object="text_completion", created=created, model=model,
-                      choices=[_completion_choice(index, text, finish_reason)])
-
-
-def completion_usage_chunk(*, request_id: str, model: str, created: int, usage: CompletionUsage) -> Completion:
-    """The final streamed /v1/completions chunk when include_usage: no choices, just usage."""
-    return Completion(id=request_id, object="text_completion", created=created, model=model, choices=[],
-                      usage=without_speculative(usage))
-
-
-def chat_response(*, model: str, texts: Sequence[str], finish_reasons: Sequence[FinishReason],
-                  usage: CompletionUsage, request_id: str | None = None,
-                  created: int | None = None) -> ChatCompletion:
-    """A full /v1/chat/completions response; `texts[i]` is the content of choice i."""
-    _check_lengths(texts, finish_reasons)
-    choices = [ChatChoice(index=i, finish_reason=f, logprobs=None,
-                          message=ChatCompletionMessage(role="assistant", content=t, refusal=None))
-               for i, (t, f) in enumerate(zip(texts, finish_reasons))]
-    return ChatCompletion(id=request_id or new_chat_completion_id(), object="chat.completion",
-                          created=created or now(), model=model, choices=choices, usage=usage)
-
-
-def chat_chunk(*, request_id: str, model: str, created: int, index: int = 0,
-               role: Literal["assistant"] | None = None, content: str | None = None,
-               finish_reason: FinishReason | None = None) -> ChatCompletionChunk:
-    """One streamed chat chunk for choice `index`.
-
-    Usual sequence per choice: `chat_chunk(role="assistant", content="")` first, then
-    `chat_chunk(content=delta)` for each piece of text, then `chat_chunk(finish_reason=...)`
-    (delta `{}`); after all choices, `chat_usage_chunk(...)` if include_usage, then SSE_DONE.
-    """
-    delta = ChoiceDelta(**{k: v for k, v in (("role", role), ("content", content)) if v is not None})
-    choice = ChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=None)
-    return ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
-                               choices=[choice])
-
-
-def chat_usage_chunk(*, request_id: str, model: str, created: int, usage: CompletionUsage) -> ChatCompletionChunk:
-    """The final chat chunk when include_usage: `choices: []` and usage (no extension)."""
-    return ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
-                               choices=[], usage=without_speculative(usage))
+    return zip(texts, finish_reasons)
 
 
 def model_list(model_ids: Iterable[str], *, created: int | None = None, owned_by: str = "specdec-serve",
