@@ -132,34 +132,34 @@ def _first_paragraph(doc: str, limit: int = 300) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())[:limit]
 
 
+# User-message templates, one chosen per function / topic by a hash (deterministic).
+FUNCTION_ASKS = (
+    "Explain what this function does:\n\n```python\n{snippet}\n```",
+    "Write a Python function `{short}` that does the following: {summary}",
+    "What does `{name}` in Python's standard library do? Give a short example.",
+    "Review this Python code and suggest one improvement:\n\n```python\n{snippet}\n```",
+)
+TOPIC_ASKS = (
+    "Explain {title} in Python, with a short example.",
+    "What should a beginner know about {title} in Python?",
+    "Summarize this passage from the Python reference:\n\n{passage}",
+)
+
+
 def chat_prompts(pieces: list[Piece]) -> list[ChatPrompt]:
     """User messages about the code and topics of `pieces` (templates chosen by hash, deterministic)."""
     out = []
     for p in pieces:
         if p.kind == "code":
             for name, src, doc, _ in _functions(p.unit, p.text):
-                h = zlib.crc32(name.encode()) % 4
-                snippet = src[:SNIPPET_CHARS]
-                if h == 0:
-                    msg = f"Explain what this function does:\n\n```python\n{snippet}\n```"
-                elif h == 1:
-                    short = name.rsplit(".", 1)[1]
-                    msg = f"Write a Python function `{short}` that does the following: {_first_paragraph(doc)}"
-                elif h == 2:
-                    msg = f"What does `{name}` in Python's standard library do? Give a short example."
-                else:
-                    msg = f"Review this Python code and suggest one improvement:\n\n```python\n{snippet}\n```"
-                out.append(ChatPrompt(p.unit, msg))
+                ask = FUNCTION_ASKS[zlib.crc32(name.encode()) % len(FUNCTION_ASKS)]
+                out.append(ChatPrompt(p.unit, ask.format(snippet=src[:SNIPPET_CHARS], name=name,
+                                                         short=name.rsplit(".", 1)[1],
+                                                         summary=_first_paragraph(doc))))
         else:
-            title = p.unit.removeprefix("topic:").replace("-", " ")
-            h = zlib.crc32(p.text[:200].encode()) % 3
-            if h == 0:
-                msg = f"Explain {title} in Python, with a short example."
-            elif h == 1:
-                msg = f"What should a beginner know about {title} in Python?"
-            else:
-                msg = f"Summarize this passage from the Python reference:\n\n{p.text[:SNIPPET_CHARS].strip()}"
-            out.append(ChatPrompt(p.unit, msg))
+            ask = TOPIC_ASKS[zlib.crc32(p.text[:200].encode()) % len(TOPIC_ASKS)]
+            out.append(ChatPrompt(p.unit, ask.format(title=p.unit.removeprefix("topic:").replace("-", " "),
+                                                     passage=p.text[:SNIPPET_CHARS].strip())))
     return out
 
 
