@@ -1,32 +1,18 @@
 """OpenTelemetry tracing for the service: one switch, standard env vars, W3C context across actors.
 
 `setup_tracing(cfg)` installs, once per process, a TracerProvider (sampler: ParentBased(
-TraceIdRatioBased(sampling_ratio)), or the SDK's own from OTEL_TRACES_SAMPLER) and one exporter:
+TraceIdRatioBased(sampling_ratio)), or the SDK's own from OTEL_TRACES_SAMPLER) with one exporter
+from `EXPORTERS`: "otlp" (OTLP over HTTP/protobuf, batched), "console" (stdout), "jsonl" (one
+compact JSON object per span -- trace_id, span_id, parent_id, times, attributes, resource, pid --
+appended to a file that several processes can share, batched), "memory" (tests, debugging). With
+"none" nothing is installed and spans cost a no-op call.
 
-* "otlp": OTLP over HTTP/protobuf (opentelemetry-exporter-otlp-proto-http), batched;
-* "console": the SDK's ConsoleSpanExporter on stdout;
-* "jsonl": the SDK's ConsoleSpanExporter writing one compact JSON object per span (trace_id,
-  span_id, parent_id, name, times, attributes, resource, pid) to a file opened in append mode,
-  batched -- several processes (router, target, draft replicas) can share one file;
-* "memory": the SDK's InMemorySpanExporter (tests, debugging);
-* "none": nothing is installed and spans come from the API's NoOpTracer, so instrumented code
-  costs a no-op call.
-
-Ray Serve has its own tracing (`RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH`): when that env var names
-`serve_app.telemetry:ray_serve_tracing_exporter`, Serve calls it (zero arguments, must be a plain
-function returning a list of SpanProcessor) in every replica and proxy, then installs its own
-TracerProvider with ParentBasedTraceIdRatio(RAY_SERVE_TRACING_SAMPLING_RATIO, default 0.01).
-`setup_tracing` in a process where a TracerProvider is already installed (Serve's) adopts it
-instead of fighting it -- only one provider can be global -- so our spans become children of
-Serve's request spans; it adds its exporter there unless Serve already got ours. Call
-`setup_tracing` in a deployment's constructor (after Serve's setup), not at import time.
-
-Plain Ray actors (e.g. tensor-parallel workers) are not Serve replicas: they can call
-`setup_tracing()` with no argument (config from the environment), e.g. through
-SPECDEC_TRACING_SETUP=serve_app.telemetry:setup_tracing as read by deployments/tracing.py.
-
-Spans themselves are opened through the one span API, deployments/tracing.py (`span`,
-`start_span`, `inject`), which setup_tracing points at its provider's tracer.
+Ray Serve's own tracing (RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH=
+serve_app.telemetry:ray_serve_tracing_exporter) installs its TracerProvider in every replica and
+proxy; `setup_tracing` then adopts it (only one provider can be global), so our spans become
+children of Serve's request spans. Call it in a deployment's constructor, not at import time.
+Plain actors (the TP workers) call it with no argument, through SPECDEC_TRACING_SETUP (read by
+deployments/tracing.py, the one span API, which setup_tracing points at its provider's tracer).
 """
 from __future__ import annotations
 
@@ -162,34 +148,33 @@ class FileConsoleSpanExporter(ConsoleSpanExporter):
 _memory_exporter: Any = None
 
 
-def _make_exporter(cfg: TracingConfig) -> Any:
+def _otlp(cfg: TracingConfig) -> Any:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter(endpoint=cfg.otlp_endpoint)
+
+
+def _jsonl(cfg: TracingConfig) -> Any:
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.path)), exist_ok=True)
+    out = open(cfg.path, "a", encoding="utf-8")  # closed by the provider's shutdown
+    return FileConsoleSpanExporter(out=out, formatter=span_to_json_line, service_name=cfg.service_name)
+
+
+def _memory(cfg: TracingConfig) -> Any:
     global _memory_exporter
-    if cfg.exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    _memory_exporter = InMemorySpanExporter()
+    return _memory_exporter
 
-        return OTLPSpanExporter(endpoint=cfg.otlp_endpoint)
-    if cfg.exporter == "console":
-        return ConsoleSpanExporter(service_name=cfg.service_name)
-    if cfg.exporter == "jsonl":
-        assert cfg.path is not None
-        directory = os.path.dirname(os.path.abspath(cfg.path))
-        os.makedirs(directory, exist_ok=True)
-        out = open(cfg.path, "a", encoding="utf-8")  # closed by the provider's shutdown (below)
-        return FileConsoleSpanExporter(out=out, formatter=span_to_json_line,
-                                        service_name=cfg.service_name)
-    if cfg.exporter == "memory":
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-        _memory_exporter = InMemorySpanExporter()
-        return _memory_exporter
-    raise ValueError(f"no exporter for {cfg.exporter!r}")
+EXPORTERS = {"otlp": _otlp, "jsonl": _jsonl, "memory": _memory,
+             "console": lambda cfg: ConsoleSpanExporter(service_name=cfg.service_name)}
 
 
 def make_span_processor(cfg: TracingConfig) -> Any:
     """A span processor (batch or simple, see TracingConfig.batch) around cfg's exporter."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    exporter = _make_exporter(cfg)
+    exporter = EXPORTERS[cfg.exporter](cfg)
     batch = cfg.batch if cfg.batch is not None else cfg.exporter in ("otlp", "jsonl")
     return BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
 
