@@ -68,7 +68,8 @@ class SchedulingConfig(BaseModel):
     plain_steps: int = Field(8, ge=1, le=64, description="A round in which no row drafts decodes up to this many tokens per row in one Target call (one call's hops for all of them; the same tokens as that many plain rounds); a prefill, or sequences waiting to join the lane, make it a one-step round.")
     siblings_max_batch: int = Field(1, ge=0, description="Rounds of at most this many rows verify, beside each greedy row's chain, a sibling of its first draft (the draft's second choice: the smallest draft tree, one more position in the same forward); 0: chains only.")
     lookup_k: int = Field(4, ge=0, le=16, description="In multi-step plain rounds, greedy rows also verify up to this many tokens per step found by prompt lookup in their own context (in the Target call, no Draft call; output unchanged); a request's num_speculative_tokens caps it; 0: off.")
-    lookup_max_batch: int = Field(1, ge=0, description="Prompt lookup in rounds of at most this many rows: in larger batches the longer forward cost more than it yielded (HTTP, bf16, 2 cores: +6% at concurrency 1, -6% at 4).")
+    lookup_max_batch: int = Field(1, ge=0, description="Prompt lookup in rounds of at most this many rows (lookup_k, ngram_k): in larger batches the longer forward cost more than it yielded (HTTP, bf16, 2 cores: +6% at concurrency 1, -6% at 4).")
+    ngram_k: int = Field(8, ge=0, le=32, description="proposer='hybrid': in speculative rounds of at most lookup_max_batch rows, a greedy row drafted by prompt lookup proposes up to this many tokens instead of k (a lookup costs no draft forward, and at batch 1 in bf16 eight positions verify in ~1.1 forwards; engine, code prompts: 1.94x -> 2.06x); a request's num_speculative_tokens caps it; 0: k.")
 
 
 class RouterConfig(SchedulingConfig):
@@ -173,7 +174,7 @@ class SpecRouter:
                                k_max=c.num_speculative_tokens, speculate=c.speculate and self.draft is not None,
                                adaptive=c.adaptive, features=c.features, plain_steps=c.plain_steps,
                                siblings_max_batch=c.siblings_max_batch, lookup_k=c.lookup_k,
-                               lookup_max_batch=c.lookup_max_batch)
+                               lookup_max_batch=c.lookup_max_batch, ngram_k=c.ngram_k)
 
     # ---- request side -------------------------------------------------------------------------
     def capacity(self) -> int:

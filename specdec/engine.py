@@ -29,6 +29,7 @@ class EngineConfig:
     siblings_max_batch: int = 0  # rounds of at most this many rows add a first-draft sibling (see SchedulerConfig)
     lookup_k: int = 0  # prompt-lookup tokens per step of multi-step plain rounds (see SchedulerConfig)
     lookup_max_batch: int = 0
+    ngram_k: int = 0  # hybrid: prompt-lookup drafts of greedy rows may run this long (see SchedulerConfig)
 
 
 class LLMEngine:
@@ -47,7 +48,7 @@ class LLMEngine:
                             speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
                             features=features, plain_steps=self.cfg.plain_steps,
                             siblings_max_batch=self.cfg.siblings_max_batch, lookup_k=self.cfg.lookup_k,
-                            lookup_max_batch=self.cfg.lookup_max_batch),
+                            lookup_max_batch=self.cfg.lookup_max_batch, ngram_k=self.cfg.ngram_k),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
 
     @property

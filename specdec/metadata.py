@@ -49,6 +49,8 @@ class SpecBatch(Wire):
     budget: list[int] | None = None
     siblings: bool = False  # a model proposer adds, for greedy rows, a sibling of the first draft
     # (its second choice there): the smallest draft tree, verified in the same target forward
+    ngram_k: list[int] | None = None  # per row: how long drafts found by prompt lookup may run
+    # (>= num_draft[i]; the hybrid's n-gram rows: no draft forward, so longer chains are cheap)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
 
     def __len__(self) -> int:

@@ -38,6 +38,8 @@ class SchedulerConfig:
     # row's chain, a sibling of its first draft (SpecBatch.siblings); 0: chains only
     lookup_k: int = 0  # multi-step plain rounds of at most `lookup_max_batch` rows: greedy rows
     lookup_max_batch: int = 0  # verify up to lookup_k prompt-lookup tokens per step (SpecBatch.lookup)
+    ngram_k: int = 0  # speculative rounds of at most `lookup_max_batch` rows: a greedy row's drafts
+    # found by prompt lookup may run this long (SpecBatch.ngram_k; they cost no draft forward)
 
 
 @dataclass
@@ -143,7 +145,8 @@ class Scheduler:
         ks = [self.choose_k(s, B, calibrate, throttle) for s in seqs]
         K = max(ks)
         steps = self._plain_steps(seqs, prefill) if K == 0 else None
-        uniforms = torch.zeros(len(seqs), 3, max(steps or [K + 1]), dtype=torch.float64)
+        ngram_k = [self._ngram_k(s, k) for s, k in zip(seqs, ks)] if K and B <= self.cfg.lookup_max_batch else None
+        uniforms = torch.zeros(len(seqs), 3, max(steps or [max(ngram_k or [K]) + 1]), dtype=torch.float64)
         for i, (s, k) in enumerate(zip(seqs, ks)):
             if s.params.greedy:
                 continue
@@ -169,6 +172,7 @@ class Scheduler:
             budget=[s.remaining for s in seqs] if steps else None,
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
             siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
+            ngram_k=ngram_k,
         )
         return RoundPlan(seqs, batch, prefill)
 
@@ -188,6 +192,15 @@ class Scheduler:
         if not (self.cfg.speculate and seq.params.greedy):
             return 0
         return self.cfg.lookup_k if req is None else min(req, self.cfg.lookup_k)
+
+    def _ngram_k(self, seq: Sequence, k: int) -> int:
+        """How long a greedy drafting row's prompt-lookup drafts may run: `ngram_k`, at most the
+        request's num_speculative_tokens and what the row may still emit (k: no longer than that)."""
+        req = seq.params.num_speculative_tokens
+        if not (k and seq.params.greedy):
+            return k
+        cap = self.cfg.ngram_k if req is None else min(req, self.cfg.ngram_k)
+        return max(k, min(cap, seq.remaining - 1))
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs

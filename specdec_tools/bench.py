@@ -79,13 +79,14 @@ class Row:
 
 
 def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0,
-               lookup=0):
+               lookup=0, ngram_k=0):
     """`lookup` > 0: plain rounds of 8 steps whose greedy rows verify that many prompt-lookup
     tokens per step (k = 0, the proposer only enables it)."""
     eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
                                  speculate=proposer is not None and (k > 0 or lookup > 0), siblings_max_batch=siblings,
-                                 plain_steps=8 if lookup else 1, lookup_k=lookup, lookup_max_batch=batch))
+                                 plain_steps=8 if lookup else 1, lookup_k=lookup, lookup_max_batch=batch,
+                                 ngram_k=ngram_k))
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # fixed length: fair tokens/s
     if warm:
         eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
@@ -106,9 +107,10 @@ def cost_ratio(stats, plain_step: float) -> float:
 
 
 def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0,
-                 lookup: int = 0) -> list[Row]:
+                 lookup: int = 0, ngram_k: int = 0) -> list[Row]:
     """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured;
-    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds."""
+    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds; `ngram_k`: the
+    hybrid's prompt-lookup rows may draft that long."""
     rows = []
     base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
     plain_step = st.target_time / st.rounds
@@ -123,13 +125,14 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblin
     for name, make in [("ngram", lambda: NgramProposer())] + [
             (n, (lambda f=f: f(batch))) for n, f in drafts]:
         for k in ks:
-            out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens, siblings=siblings)
+            out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens, siblings=siblings,
+                                     ngram_k=ngram_k)
             per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
             rows.append(Row(f"{name}", batch, k, sum(map(len, out)), dt, st.acceptance_rate,
                             st.mean_accepted_length, per_step / plain_step, out == base, **_times(st)))
             bar.update()
         out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True,
-                                 siblings=siblings)
+                                 siblings=siblings, ngram_k=ngram_k)
         rows.append(Row(f"{name} adaptive", batch, -1, sum(map(len, out)), dt, st.acceptance_rate,
                         st.mean_accepted_length, 0.0, out == base, **_times(st)))
         bar.update()
@@ -196,6 +199,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--lookup", type=int, default=0, help="also measure plain decoding with this many prompt-lookup "
                     "tokens per step verified inside 8-step plain rounds (0: not measured)")
+    ap.add_argument("--ngram-k", type=int, default=0, help="at batch 1 (the service's lookup_max_batch): the "
+                    "hybrid's prompt-lookup rows draft up to this many tokens (0: k)")
     ap.add_argument("--siblings", type=int, default=0, help="siblings_max_batch: batches up to this size also "
                     "verify a sibling of each first draft (0: chains only)")
     a = ap.parse_args(argv)
@@ -218,14 +223,15 @@ def main(argv=None) -> None:
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
     print(f"target={a.target} dtype={a.dtype} device={a.device} max_tokens={a.max_tokens} threads={torch.get_num_threads()}"
-          f" siblings_max_batch={a.siblings}"
+          f" siblings_max_batch={a.siblings} ngram_k={a.ngram_k} (batch 1)"
           + (f" gpu={torch.cuda.get_device_name()}" if a.device == "cuda" else ""))
     for kind in a.kinds.split(","):
         prompts = kinds[kind]
         rows, plain = [], {}
         for b in batches:
             if b == 1:  # batch 1: the prompts one after another
-                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings, a.lookup) for p in prompts]
+                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings, a.lookup, a.ngram_k)
+                      for p in prompts]
                 merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
                 bar.update(per_batch)
             else:

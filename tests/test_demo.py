@@ -140,6 +140,28 @@ def test_shipped_eagle_draft(demo_model, demo_tok, demo_prompts):
     assert out == ref and st.accepted > 0
 
 
+def test_demo_bf16_long_lookup_drafts_in_the_hybrid(demo_dir, demo_tok, demo_prompts):
+    """The service's default at batch 1 (bf16, hybrid with the shipped draft, ngram_k 8): the
+    hybrid's prompt-lookup rows draft past k, the target accepts tokens past k on real text, and
+    the output is plain greedy's."""
+    from specdec.eagle_draft import load_eagle
+    from specdec.proposers import EagleProposer, HybridProposer
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    draft = load_eagle("smollm2-eagle", model, torch.bfloat16)
+    prompts = demo_prompts + [encode_chat(demo_tok, [{"role": "user", "content": "Repeat this sentence exactly: "
+                                                      "The quick brown fox jumps over the lazy dog near the river."}])]
+    ref, _ = _run(model, demo_tok, prompts, None, 0, n=48)
+    past_k = 0
+    for p, r in zip(prompts, ref):  # one request at a time: batch 1
+        eng = LLMEngine(TargetWorker(model, 1, 1024), HybridProposer(NgramProposer(min_n=3, max_n=5),
+                                                                     EagleProposer(draft, 1, 1024)), demo_tok,
+                        EngineConfig(max_batch_size=1, num_speculative_tokens=3, adaptive=False, ngram_k=8,
+                                     lookup_max_batch=1))
+        assert eng.generate([p], SamplingParams(max_tokens=48, temperature=0))[0].output_ids == r
+        past_k += sum(eng.stats.accepted_per_pos[3:])
+    assert past_k > 0
+
+
 @pytest.mark.ray
 def test_demo_pair_service(deploy, ray_cluster):
     url = deploy("demo", {"target": "smollm2", "proposer": "ngram", "dtype": "float32"})

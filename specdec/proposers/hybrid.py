@@ -2,7 +2,8 @@
 
 Per row and round: if the n-gram proposer finds a match (of at least its `min_n` tokens; the
 hybrid uses a longer minimum than plain prompt lookup so that only real repetitions count), its
-tokens are proposed with a one-hot q; otherwise the model proposer drafts. The choice depends on
+tokens are proposed with a one-hot q, up to `SpecBatch.ngram_k` of them (a free proposal, so a
+longer chain where the planner allows it); otherwise the model proposer drafts k. The choice depends on
 the context only, never on random draws, and each row carries the q it was drawn from, so the
 rejection sampler stays lossless. The model proposer sees every row every round (with zero drafts
 for the n-gram rows), so its cache and feature buffers stay in sync.
@@ -38,12 +39,14 @@ class HybridProposer(Proposer):
 
     def propose(self, batch: SpecBatch) -> DraftOutput:
         t0 = time.perf_counter()
-        ng = self.ngram.propose(batch)
+        # the n-gram side may draft longer rows (ngram_k): its drafts cost no forward
+        ng = self.ngram.propose(batch if batch.ngram_k is None else
+                                batch.with_side(batch.offsets, batch.new_tokens, num_draft=batch.ngram_k))
         use_ngram = [n > 0 for n in ng.num_draft]
         mine = batch.with_side(batch.offsets, batch.new_tokens,
                                num_draft=[0 if u else k for u, k in zip(use_ngram, batch.num_draft)])
         md = self.model.propose(mine)
-        B, K = len(batch), batch.max_draft
+        B, K = len(batch), max(batch.max_draft, max(ng.num_draft, default=0))
         J = md.probs.ids.shape[-1] if md.probs is not None else 1
         tokens = torch.zeros(B, K, dtype=torch.long)
         q_ids = torch.zeros(B, K, J, dtype=torch.long)
