@@ -1,0 +1,65 @@
+"""How long the hybrid's prompt-lookup drafts should run (`ngram_k`), in process at batch 1.
+
+    python bench/ngram_k.py [--ngram-ks 0,8] [--k 3] [--prompts 8] [--max-tokens 64] [--repeats 2]
+
+The engine with the hybrid proposer (n-gram matches of >= 3 tokens, the shipped EAGLE draft
+otherwise) at fixed k, plain decoding beside it, on the chat and code prompts of `specdec-bench`.
+Configurations alternate prompt by prompt (this machine's speed drifts within minutes), every
+output is checked against plain decoding, and the table gives tokens/s, the ratio to plain
+decoding in the same run, and tokens per round.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+from specdec.loader import fast_dtype, load_model, load_tokenizer, parse_dtype
+from specdec.prompts import encode_chat
+from specdec_tools.bench import CHAT, code_prompts, draft_factories, run_engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ngram-ks", default="0,8", help="ngram_k values (0: the n-gram rows draft k)")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per kind")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dtype = parse_dtype(fast_dtype("cpu") if a.dtype == "auto" else a.dtype)
+    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=dtype)
+    hybrid = dict(draft_factories("smollm2-eagle", model, dtype))["hybrid (ngram>=3 + eagle)"]
+    kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
+             "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}
+    confs = [("plain", None, 0, 0)] + [(f"hybrid k{a.k} ngram_k {n}", hybrid, a.k, n)
+                                       for n in map(int, a.ngram_ks.split(","))]
+    bar = tqdm(total=a.repeats * sum(map(len, kinds.values())) * len(confs), desc="ngram_k")
+    for kind, prompts in kinds.items():
+        tot, ref = defaultdict(lambda: [0, 0.0, 0]), {}
+        for _ in range(a.repeats):
+            for i, p in enumerate(prompts):
+                for name, make, k, n in confs:
+                    out, dt, st = run_engine(model, tok, [p], make(1) if make else None, k, 1, a.max_tokens,
+                                             siblings=1, ngram_k=n)
+                    ref.setdefault(i, out)
+                    if out != ref[i]:
+                        raise AssertionError(f"{name}: output differs from plain decoding on {kind} prompt {i}")
+                    t = tot[name]
+                    t[0], t[1], t[2] = t[0] + len(out[0]), t[1] + dt, t[2] + st.rounds
+                    bar.update()
+        plain = tot["plain"][0] / tot["plain"][1]
+        tqdm.write(f"\n### {kind} prompts ({len(prompts)}), greedy, {a.max_tokens} tokens, {str(dtype).removeprefix('torch.')}, batch 1\n"
+                   "| config | tokens/s | vs plain | tokens per round |\n|---|---|---|---|")
+        for name, (n, s, r) in tot.items():
+            tqdm.write(f"| {name} | {n / s:.1f} | {n / s / plain:.2f}x | {n / max(r, 1):.2f} |")
+    bar.close()
+
+
+if __name__ == "__main__":
+    main()
