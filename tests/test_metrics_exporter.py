@@ -114,6 +114,18 @@ def test_record_round_counts_and_gauges(fakes):
     assert f[M.ROUND_TIME].values() == [0.03]
 
 
+def test_lookup_tokens_are_counted_apart_from_drafts(fakes):
+    """A multi-step plain round with prompt lookup: its lookups go to their own counters and
+    leave the draft counters and the acceptance rate alone."""
+    rm = M.RouterMetrics(clock=Clock())
+    rm.record_round(1, [0], [0], [12], draft_s=0.0, target_s=0.1, round_s=0.1, lookup_proposed=9,
+                    lookup_accepted=4)
+    assert fakes[M.LOOKUP_TOKENS].total() == 9 and fakes[M.LOOKUP_ACCEPTED_TOKENS].total() == 4
+    assert fakes[M.GENERATED_TOKENS].total() == 12 and fakes[M.DRAFT_TOKENS].records == []
+    rm.record_round(1, [0], [0], [1], 0.0, 0.01, 0.01)
+    assert fakes[M.LOOKUP_TOKENS].total() == 9  # no zero increments
+
+
 def test_round_without_drafts_records_no_zero_increments(fakes):
     rm = M.RouterMetrics(clock=Clock())
     rm.record_round(2, [0, 0], [0, 0], [0, 0], draft_s=0.0, target_s=0.01, round_s=0.012)
