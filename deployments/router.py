@@ -48,7 +48,7 @@ from specdec.sampling import SamplingParams
 from specdec.adaptive import CostModel
 from specdec.engine import eos_ids_of
 from specdec.round import RoundResult, round_steps, run_round_async
-from specdec.scheduler import Scheduler, SchedulerConfig
+from specdec.scheduler import Scheduler, SchedulerConfig, scheduler_config
 from specdec.sequence import Sequence
 from specdec.stats import RoundProfile, SpecStats
 
@@ -169,12 +169,7 @@ class SpecRouter:
             lane.scheduler.set_config(self._sched_cfg())
 
     def _sched_cfg(self) -> SchedulerConfig:
-        c = self.cfg
-        return SchedulerConfig(max_batch_size=c.max_batch_size, max_model_len=c.max_model_len,
-                               k_max=c.num_speculative_tokens, speculate=c.speculate and self.draft is not None,
-                               adaptive=c.adaptive, features=c.features, plain_steps=c.plain_steps,
-                               siblings_max_batch=c.siblings_max_batch, lookup_k=c.lookup_k,
-                               lookup_max_batch=c.lookup_max_batch, ngram_k=c.ngram_k)
+        return scheduler_config(self.cfg, speculate=self.cfg.speculate and self.draft is not None)
 
     # ---- request side -------------------------------------------------------------------------
     def capacity(self) -> int:

@@ -13,7 +13,7 @@ from specdec.metadata import DraftOutput
 from specdec.proposers.base import Proposer
 from specdec.round import run_round
 from specdec.sampling import SamplingParams
-from specdec.scheduler import Scheduler, SchedulerConfig
+from specdec.scheduler import Scheduler, scheduler_config
 from specdec.sequence import Sequence
 from specdec.target_worker import TargetWorker
 
@@ -44,11 +44,8 @@ class LLMEngine:
         features = proposer is not None and proposer.needs_features
         target.return_hidden = target.return_hidden or features  # an EAGLE draft reads the target's features
         self.scheduler = Scheduler(
-            SchedulerConfig(self.cfg.max_batch_size, self.max_model_len, self.cfg.num_speculative_tokens,
-                            speculate=self.cfg.speculate and proposer is not None, adaptive=self.cfg.adaptive,
-                            features=features, plain_steps=self.cfg.plain_steps,
-                            siblings_max_batch=self.cfg.siblings_max_batch, lookup_k=self.cfg.lookup_k,
-                            lookup_max_batch=self.cfg.lookup_max_batch, ngram_k=self.cfg.ngram_k),
+            scheduler_config(self.cfg, max_model_len=self.max_model_len, features=features,
+                             speculate=self.cfg.speculate and proposer is not None),
             tokenizer, eos_token_ids, proposer_has_model=proposer is not None and proposer.has_model)
 
     @property

@@ -12,7 +12,7 @@ The round that calls proposer and target is `specdec.round` (driven in process b
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -40,6 +40,14 @@ class SchedulerConfig:
     lookup_max_batch: int = 0  # verify up to lookup_k prompt-lookup tokens per step (SpecBatch.lookup)
     ngram_k: int = 0  # speculative rounds of at most `lookup_max_batch` rows: a greedy row's drafts
     # found by prompt lookup may run this long (SpecBatch.ngram_k; they cost no draft forward)
+
+
+def scheduler_config(cfg, **overrides) -> SchedulerConfig:
+    """A SchedulerConfig from any config object holding its fields by name (the engine's, the
+    router's), `num_speculative_tokens` as k_max; `overrides` win."""
+    names = {f.name for f in fields(SchedulerConfig)}
+    found = {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
+    return SchedulerConfig(**{**found, "k_max": cfg.num_speculative_tokens, **overrides})
 
 
 @dataclass
