@@ -193,22 +193,26 @@ class Scheduler:
         steps = [max(1, min(n, s.remaining)) for s in seqs]
         return steps if max(steps) > 1 else None
 
+    @staticmethod
+    def _request_cap(seq: Sequence, limit: int) -> int:
+        """`limit`, at most the request's own num_speculative_tokens (prompt lookup counts as
+        speculation: a request's k caps it, 0 turns it off)."""
+        req = seq.params.num_speculative_tokens
+        return limit if req is None else min(req, limit)
+
     def _lookup_k(self, seq: Sequence) -> int:
         """Prompt-lookup tokens a row may verify per step of a multi-step plain round: greedy rows
-        of a speculating scheduler, at most the request's own num_speculative_tokens (0: none)."""
-        req = seq.params.num_speculative_tokens
+        of a speculating scheduler, capped by the request (`_request_cap`)."""
         if not (self.cfg.speculate and seq.params.greedy):
             return 0
-        return self.cfg.lookup_k if req is None else min(req, self.cfg.lookup_k)
+        return self._request_cap(seq, self.cfg.lookup_k)
 
     def _ngram_k(self, seq: Sequence, k: int) -> int:
-        """How long a greedy drafting row's prompt-lookup drafts may run: `ngram_k`, at most the
-        request's num_speculative_tokens and what the row may still emit (k: no longer than that)."""
-        req = seq.params.num_speculative_tokens
+        """How long a greedy drafting row's prompt-lookup drafts may run: `ngram_k`, capped by the
+        request (`_request_cap`) and what the row may still emit (k: no longer than that)."""
         if not (k and seq.params.greedy):
             return k
-        cap = self.cfg.ngram_k if req is None else min(req, self.cfg.ngram_k)
-        return max(k, min(cap, seq.remaining - 1))
+        return max(k, min(self._request_cap(seq, self.cfg.ngram_k), seq.remaining - 1))
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
