@@ -79,15 +79,16 @@ class Row:
 
 
 def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0,
-               lookup=0, ngram_k=0):
+               lookup=0, ngram_k=0, temperature=0.0, seed=None):
     """`lookup` > 0: plain rounds of 8 steps whose greedy rows verify that many prompt-lookup
-    tokens per step (k = 0, the proposer only enables it)."""
+    tokens per step (k = 0, the proposer only enables it). `temperature` > 0 samples (with `seed`)."""
     eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
                                  speculate=proposer is not None and (k > 0 or lookup > 0), siblings_max_batch=siblings,
                                  plain_steps=8 if lookup else 1, lookup_k=lookup, lookup_max_batch=batch,
                                  ngram_k=ngram_k))
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # fixed length: fair tokens/s
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                        ignore_eos=True)  # fixed length: fair tokens/s
     if warm:
         eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
         eng.scheduler.stats = type(eng.stats)()

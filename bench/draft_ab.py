@@ -1,0 +1,90 @@
+"""Two (or more) EAGLE drafts side by side in the engine, at batch 1: which one makes decoding faster?
+
+    python bench/draft_ab.py --drafts smollm2-eagle,/work/distill/eagle6 [--k 3] [--temperatures 0,1.0]
+
+Each draft runs in the hybrid (prompt lookup where the text repeats, the draft elsewhere, as the
+default app does) at fixed k with first-draft siblings and `ngram_k` 8, beside plain decoding, on
+four prompt sets: `specdec-bench`'s chat questions and held-out code prefixes, and the HTTP
+benchmark's everyday and coding questions (no distillation run trained on any of them).
+Configurations alternate prompt by prompt (this machine's speed drifts within minutes). Greedy
+outputs are checked against plain decoding; sampled rows (temperature > 0, seeded) are not (the
+drafts change which uniforms a token uses, not its distribution). The table gives tokens/s, the
+ratio to plain decoding in the same run, acceptance (accepted / proposed) and tokens per round.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from http_bench import PROMPT_SETS  # noqa: E402
+from specdec.loader import fast_dtype, load_model, load_tokenizer, parse_dtype  # noqa: E402
+from specdec.prompts import encode_chat  # noqa: E402
+from specdec_tools.bench import CHAT, code_prompts, draft_factories, run_engine  # noqa: E402
+
+
+def prompt_sets(tok, n: int) -> dict[str, list[list[int]]]:
+    chat = lambda qs: [encode_chat(tok, [{"role": "user", "content": q}]) for q in qs[:n]]  # noqa: E731
+    return {"bench chat": chat(CHAT), "bench code": [tok(p).input_ids for p in code_prompts(n, tokenizer=tok)],
+            **{f"http {name}": chat(qs) for name, qs in PROMPT_SETS.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafts", default="smollm2-eagle", help="comma-separated EAGLE draft directories")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set (at most)")
+    ap.add_argument("--sets", default="", help="comma-separated prompt sets (default: all)")
+    ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dtype = parse_dtype(fast_dtype("cpu") if a.dtype == "auto" else a.dtype)
+    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=dtype)
+    drafts = a.drafts.split(",")
+    hybrids = {d: dict(draft_factories(d, model, dtype))["hybrid (ngram>=3 + eagle)"] for d in drafts}
+    sets = prompt_sets(tok, a.prompts)
+    if a.sets:
+        sets = {name: sets[name] for name in a.sets.split(",")}
+    temps = [float(t) for t in a.temperatures.split(",")]
+    confs = [("plain", None)] + [(d, hybrids[d]) for d in drafts]
+    bar = tqdm(total=len(temps) * sum(map(len, sets.values())) * len(confs), desc="drafts")
+    lines = []
+    for temp in temps:
+        for kind, prompts in sets.items():
+            tot = defaultdict(lambda: [0, 0.0, 0, 0, 0])  # tokens, seconds, rounds, proposed, accepted
+            for i, p in enumerate(prompts):
+                ref = None
+                for name, make in confs if i % 2 == 0 else confs[:1] + confs[:0:-1]:
+                    out, dt, st = run_engine(model, tok, [p], make(1) if make else None, a.k if make else 0, 1,
+                                             a.max_tokens, siblings=1, ngram_k=8, temperature=temp, seed=i)
+                    if name == "plain":
+                        ref = out
+                    elif temp == 0 and ref is not None and out != ref:
+                        raise AssertionError(f"{name}: output differs from plain decoding on {kind} prompt {i}")
+                    t = tot[name]
+                    for j, v in enumerate((len(out[0]), dt, st.rounds, st.proposed, st.accepted)):
+                        t[j] += v
+                    bar.update()
+            plain = tot["plain"][0] / tot["plain"][1]
+            for name, (n, s, r, prop, acc) in tot.items():
+                lines.append(f"| {kind} ({len(prompts)}) | {temp:g} | {name} | {n / s:.1f} | {n / s / plain:.2f}x | "
+                             f"{acc / prop if prop else 0:.3f} | {n / max(r, 1):.2f} |")
+    bar.close()
+    dname = str(dtype).removeprefix("torch.")
+    print(f"\nbatch 1, {dname}, hybrid k = {a.k} (siblings, ngram_k 8), {a.max_tokens} tokens, alternated per prompt\n")
+    print("| prompts | temperature | config | tokens/s | vs plain | acceptance | tokens per round |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
