@@ -1,6 +1,7 @@
 """Test helper: wait until a deployed app holds nothing (no sequences, slots or stray tasks)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -43,3 +44,9 @@ def assert_idle(app: str, url: str, headers: dict | None = None, timeout_s: floa
     if max_tasks is not None:
         assert s["tasks"] <= max_tasks, s
     return s
+
+
+async def assert_idle_async(app: str, url: str, headers: dict | None = None, timeout_s: float = 30.0,
+                            max_tasks: int | None = None) -> dict:
+    """`assert_idle` for async tests: Serve refuses sync handle calls on a running event loop."""
+    return await asyncio.to_thread(assert_idle, app, url, headers, timeout_s, max_tasks)

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from service_checks import assert_idle
+from service_checks import assert_idle, assert_idle_async
 
 pytestmark = pytest.mark.ray
 
@@ -69,23 +69,21 @@ async def _stream(c: httpx.AsyncClient, url, model, prompt, max_tokens, progress
     return r.status_code, "".join(text), error
 
 
-def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5, bound_s=120.0):
-    """Start one stream per prompt, call `fault()` once every stream has produced `min_chunks`
-    chunks, and return the streams' results (bounded: no stream may hang)."""
+async def _run_streams_with_fault(url, model, prompts, max_tokens, fault, min_chunks=5, bound_s=120.0):
+    """Start one stream per prompt, call `fault()` (in a thread: it may block on Ray) once every
+    stream has produced `min_chunks` chunks, and return the streams' results (bounded: no stream
+    may hang)."""
     progress: dict[int, int] = {}
-
-    async def main():
-        async with httpx.AsyncClient(timeout=bound_s) as c:
-            tasks = [asyncio.ensure_future(_stream(c, url, model, p, max_tokens, progress, i))
-                     for i, p in enumerate(prompts)]
-            t0 = time.monotonic()
-            while min(progress.get(i, 0) for i in range(len(prompts))) < min_chunks:
-                assert time.monotonic() - t0 < 60, f"streams did not start: {progress}"
-                assert not any(t.done() for t in tasks), "a stream ended before the fault"
-                await asyncio.sleep(0.02)
-            await asyncio.get_running_loop().run_in_executor(None, fault)
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=bound_s)
-    return asyncio.run(main())
+    async with httpx.AsyncClient(timeout=bound_s) as c:
+        tasks = [asyncio.ensure_future(_stream(c, url, model, p, max_tokens, progress, i))
+                 for i, p in enumerate(prompts)]
+        t0 = time.monotonic()
+        while min(progress.get(i, 0) for i in range(len(prompts))) < min_chunks:
+            assert time.monotonic() - t0 < 60, f"streams did not start: {progress}"
+            assert not any(t.done() for t in tasks), "a stream ended before the fault"
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(fault)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=bound_s)
 
 
 # ---- (a) a draft replica dies mid-generation ---------------------------------------------------
@@ -102,7 +100,8 @@ def draft_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     serve.delete("fdraft")
 
 
-def test_draft_replica_killed_mid_generation(draft_app):
+@pytest.mark.asyncio
+async def test_draft_replica_killed_mid_generation(draft_app):
     import ray
     url, model = draft_app
     n_tokens = 96
@@ -120,7 +119,7 @@ def test_draft_replica_killed_mid_generation(draft_app):
             killed[rid] = stats[rid]["pid"]
 
     t0 = time.monotonic()
-    results = _run_streams_with_fault(url, model, PROMPTS, n_tokens, kill_busy_draft)
+    results = await _run_streams_with_fault(url, model, PROMPTS, n_tokens, kill_busy_draft)
     assert killed
     for (status, text, error), ref in zip(results, plain):
         assert status == 200 and error is None, (status, error)
@@ -129,17 +128,17 @@ def test_draft_replica_killed_mid_generation(draft_app):
     # speculation resumes on the surviving / replacement replica, nothing is held afterwards
     deadline = time.monotonic() + 60
     while not (set(_replica_actors("fdraft", "Draft")) - set(killed)) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        await asyncio.sleep(0.5)
     assert _complete(url, model, PROMPTS[0], 24) == short_ref
-    assert_idle("fdraft", url)
+    await assert_idle_async("fdraft", url)
     # assert_idle polls one Draft replica per call; the lane's last draft release trails the
     # response and goes to the replica it is pinned to: wait (bounded) until every replica is idle.
     deadline = time.monotonic() + 30
     while True:
-        stats = _stats_by_replica("fdraft", "Draft")
+        stats = await asyncio.to_thread(_stats_by_replica, "fdraft", "Draft")
         if all(s["active_sequences"] == 0 for s in stats.values()) or time.monotonic() > deadline:
             break
-        time.sleep(0.25)
+        await asyncio.sleep(0.25)
     for rid, s in stats.items():
         assert rid not in killed and s["active_sequences"] == 0, s
 
@@ -165,7 +164,8 @@ def test_non_streaming_client_timeout_frees_slots(draft_app):
     assert_idle("fdraft", url, timeout_s=30)
 
 
-def test_many_disconnects_leave_nothing_behind(draft_app):
+@pytest.mark.asyncio
+async def test_many_disconnects_leave_nothing_behind(draft_app):
     url, model = draft_app
     baseline = httpx.get(f"{url}/stats").json()["tasks"]
 
@@ -186,8 +186,8 @@ def test_many_disconnects_leave_nothing_behind(draft_app):
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
             await asyncio.gather(*[hang_up(c, i) for i in range(12)])
-    asyncio.run(main())
-    assert_idle("fdraft", url, timeout_s=30, max_tasks=baseline)
+    await main()
+    await assert_idle_async("fdraft", url, timeout_s=30, max_tasks=baseline)
 
 
 # ---- (b) a tensor-parallel worker dies --------------------------------------------------------
@@ -200,7 +200,8 @@ def tp_app(deploy, ray_cluster, tiny_dir):
     serve.delete("ftp")
 
 
-def test_tp_worker_killed_mid_generation(tp_app):
+@pytest.mark.asyncio
+async def test_tp_worker_killed_mid_generation(tp_app):
     import ray
     from ray import serve
     url, model = tp_app
@@ -209,13 +210,13 @@ def test_tp_worker_killed_mid_generation(tp_app):
     ref = [_complete(url, model, p, n_tokens) for p in prompts]
     short_ref = [_complete(url, model, p, 24) for p in prompts]
     target = serve.get_deployment_handle("Target", app_name="ftp")
-    before = target.stats.remote().result(timeout_s=30)
-    victims = target.worker_handles.remote().result(timeout_s=30)
+    before = await asyncio.wait_for(target.stats.remote(), 30)
+    victims = await asyncio.wait_for(target.worker_handles.remote(), 30)
     assert len(victims) == 1
 
     t0 = time.monotonic()
-    results = _run_streams_with_fault(url, model, prompts, n_tokens, lambda: ray.kill(victims[0], no_restart=True),
-                                      min_chunks=3, bound_s=150)
+    results = await _run_streams_with_fault(url, model, prompts, n_tokens,
+                                            lambda: ray.kill(victims[0], no_restart=True), min_chunks=3, bound_s=150)
     elapsed = time.monotonic() - t0
     assert elapsed < 150  # none hangs
     for (status, text, error), r in zip(results, ref):
@@ -228,16 +229,16 @@ def test_tp_worker_killed_mid_generation(tp_app):
     deadline = time.monotonic() + 90
     while True:
         try:
-            after = target.stats.remote().result(timeout_s=10)
+            after = await asyncio.wait_for(target.stats.remote(), 10)
             if after["pid"] != before["pid"]:
                 break
         except Exception:  # noqa: BLE001 - the broken group answers errors until replaced
             pass
         assert time.monotonic() < deadline, "target replica was not replaced"
-        time.sleep(1.0)
+        await asyncio.sleep(1.0)
     assert after["tp_worker_pids"] and after["tp_worker_pids"][0] not in before["tp_worker_pids"]
     assert [_complete(url, model, p, 24) for p in prompts] == short_ref
-    assert_idle("ftp", url)
+    await assert_idle_async("ftp", url)
 
 
 # ---- the router's fault handling, in process (fake deployment handles, no cluster) ------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service_checks import assert_idle
+from service_checks import assert_idle_async
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,18 +41,19 @@ def load_app(deploy, ray_cluster, tiny_dir, tiny_draft_dir):
     serve.delete("load")
 
 
-def test_load_32_concurrent_streams(load_app):
+@pytest.mark.asyncio
+async def test_load_32_concurrent_streams(load_app):
     url, model = load_app
     lt = _load_module()
     # unloaded outputs: one client, each distinct prompt once
-    unloaded = asyncio.run(lt.run_load(url, model, concurrency=1, requests=len(PROMPTS), prompts=PROMPTS,
-                                       max_tokens=MAX_TOKENS, timeout_s=120))
+    unloaded = await lt.run_load(url, model, concurrency=1, requests=len(PROMPTS), prompts=PROMPTS,
+                                  max_tokens=MAX_TOKENS, timeout_s=120)
     assert not unloaded.failures, unloaded.table()
     expected = {r.index: r.text for r in unloaded.results}
-    baseline = assert_idle("load", url)["tasks"]
+    baseline = (await assert_idle_async("load", url))["tasks"]
 
-    report = asyncio.run(lt.run_load(url, model, concurrency=CONCURRENCY, requests=REQUESTS, prompts=PROMPTS,
-                                     max_tokens=MAX_TOKENS, timeout_s=120))
+    report = await lt.run_load(url, model, concurrency=CONCURRENCY, requests=REQUESTS, prompts=PROMPTS,
+                                max_tokens=MAX_TOKENS, timeout_s=120)
     print(f"\nunloaded (concurrency 1):\n{unloaded.table()}\n\nloaded:\n{report.table()}")
     assert len(report.results) == REQUESTS
     assert not report.failures, report.table()
@@ -62,5 +63,5 @@ def test_load_32_concurrent_streams(load_app):
     stats = httpx.get(f"{url}/stats", timeout=30).json()
     assert stats["row_rounds"] / stats["rounds"] > 2  # requests really shared batches
     # flat at the end: no sequences, slots or tasks left behind
-    state = assert_idle("load", url, timeout_s=30, max_tasks=baseline)
+    state = await assert_idle_async("load", url, timeout_s=30, max_tasks=baseline)
     assert state["target_free_slots"] == 32

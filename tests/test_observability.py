@@ -124,7 +124,8 @@ def _replicas(app: str) -> dict[str, int]:
             for name, d in status.items()}
 
 
-def test_autoscaling_follows_load_without_failures(deploy, ray_cluster, tiny_dir):
+@pytest.mark.asyncio
+async def test_autoscaling_follows_load_without_failures(deploy, ray_cluster, tiny_dir):
     """Load rises: target and router replicas are added; load stops: back to the minimum."""
     url = deploy("scaled", {
         "target": str(tiny_dir), "proposer": "ngram", "max_model_len": 512, "autoscaling": True,
@@ -160,7 +161,7 @@ def test_autoscaling_follows_load_without_failures(deploy, ray_cluster, tiny_dir
                     break
             stop.set()
             await asyncio.gather(*tasks)
-    asyncio.run(load())
+    await load()
     assert not failures
     assert done > 0
     assert peak["Target"] >= 2, peak

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from openai_schema import validate
-from service_checks import assert_idle
+from service_checks import assert_idle, assert_idle_async
 
 pytestmark = pytest.mark.ray
 
@@ -256,7 +256,8 @@ def test_request_logs_hold_neither_prompts_nor_keys(app):
     assert b"POST /v1/completions -> 200" in router_logs
 
 
-def test_overload_sheds_with_503_and_retry_after(app):
+@pytest.mark.asyncio
+async def test_overload_sheds_with_503_and_retry_after(app):
     url, model = app
     n_req = 14
 
@@ -274,7 +275,7 @@ def test_overload_sheds_with_503_and_retry_after(app):
         async with httpx.AsyncClient(timeout=120) as c:
             return await asyncio.gather(*[one(c, i) for i in range(n_req)])
 
-    results = asyncio.run(flood())
+    results = await flood()
     ok = [(s, h, b) for s, h, b in results if s == 200]
     shed = [(s, h, b) for s, h, b in results if s != 200]
     assert len(ok) >= 2 and shed, [s for s, _, _ in results]
@@ -297,13 +298,14 @@ def test_overload_sheds_with_503_and_retry_after(app):
     # a request asking for more sequences than the server can ever hold is a client error
     r = _post(url, C, {"model": model, "prompt": "a", "n": 4, "max_tokens": 2})
     assert r.status_code == 200, r.text  # 4 = 2 lane rows + 2 queued: fits when idle
-    state = assert_idle(APP, url, AUTH)
+    state = await assert_idle_async(APP, url, AUTH)
     assert state["target_free_slots"] == 2
     r = _post(url, C, {"model": model, "prompt": "a b", "max_tokens": 4, **GREEDY})
     assert r.status_code == 200
 
 
-def test_kv_cache_budget_is_shared_and_never_exceeded(app):
+@pytest.mark.asyncio
+async def test_kv_cache_budget_is_shared_and_never_exceeded(app):
     """8 concurrent requests over a 2-slot target (capacity: 2 lane rows + 2 queued, beyond that
     503): both slots are really used at once, requests beyond the slots wait (queued, or shed and
     retried), every request still produces its unloaded greedy output, the slot accounting
@@ -343,14 +345,14 @@ def test_kv_cache_budget_is_shared_and_never_exceeded(app):
                 return await asyncio.gather(*[req(p) for p in prompts])
             finally:
                 w.cancel()
-    rs = asyncio.run(run())
+    rs = await run()
     assert [r.status_code for r in rs] == [200] * len(prompts), [r.text for r in rs if r.status_code != 200]
     assert {p: r.json()["choices"][0]["text"] for p, r in zip(prompts, rs)} == solo
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in rs)
     assert all(active + free == 2 for active, free in slots), slots  # no slot lost or double-counted
     assert max(active for active, _ in slots) == 2, slots  # the two slots were shared by concurrent requests
     assert shed and max(queued) >= 1, (len(shed), queued)  # beyond the slots, requests waited
-    state = assert_idle(APP, url, AUTH)
+    state = await assert_idle_async(APP, url, AUTH)
     assert state["target_free_slots"] == 2
 
 

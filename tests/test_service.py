@@ -94,7 +94,8 @@ PROMPTS = ["def add(a, b):", "import json\n", "class Foo:", "for i in range(", "
            "while True:", "return self."]
 
 
-def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
+@pytest.mark.asyncio
+async def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
     url, model = tiny_app
     plain = [_complete(url, model, p, num_speculative_tokens=0)["choices"][0]["text"] for p in PROMPTS]
     spec = [_complete(url, model, p, num_speculative_tokens=3) for p in PROMPTS]
@@ -108,7 +109,7 @@ def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
                 for p in PROMPTS * 2])
         return [r.json()["choices"][0]["text"] for r in rs]
     before = httpx.get(f"{url}/stats").json()
-    loaded = asyncio.run(burst())
+    loaded = await burst()
     after = httpx.get(f"{url}/stats").json()
     assert loaded == plain * 2
     rounds = after["rounds"] - before["rounds"]
