@@ -8,7 +8,11 @@ estimate of a (accepted draft tokens / Bernoulli trials, a rejection ending the 
 round) and picks the k in 0..k_max that maximizes E(k) / cost(k), with costs measured for the
 current batch size (verification is cheap at batch 1, dear at large batches). k = 0 -- plain decoding, the
 same loop -- wins when no k gives an expected speedup above 1; after `probe_interval` rounds off,
-one round probes with the best k >= 1 so a sequence whose text turned predictable comes back.
+one round probes with the best k >= 1 so a sequence whose text turned predictable comes back. In
+a batch the rows' probes are aligned (the scheduler's `probe` argument): one drafting row makes
+the whole batch's verify a (k+1)-position forward and turns a multi-step plain round into a
+single step, so rows that are due probe together, in a round that drafts anyway or once every
+`probe_interval` rounds of the batch, never one row per round.
 
 The model can be wrong (kernel cliffs, contention, a service hop it does not see), so a measured
 safeguard sits on top: per batch-size bucket the cost model keeps the tokens per second that
@@ -209,13 +213,19 @@ class AdaptiveK:
         s, k = max(scores)
         return k, s
 
+    @property
+    def probe_due(self) -> bool:
+        """Off long enough that the next round should probe (measure acceptance again)."""
+        return self.off_rounds + 1 >= self.cfg.probe_interval
+
     def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1, k_max: int | None = None,
-               measured_win: bool = False) -> int:
+               measured_win: bool = False, probe: bool = True) -> int:
         """k for the next round, at most `k_max` (the live cap; no state change: `update` records
-        what ran). `measured_win`: speculative rounds measurably win here, whatever the model says."""
+        what ran). `measured_win`: speculative rounds measurably win here, whatever the model says.
+        `probe`: a due probe may run this round (False: it waits for the batch's probing round)."""
         k, s = self.best(cost, has_model, batch=batch, k_max=k_max)
         if k > 0 and s > self.cfg.min_speedup:
             return k
-        if measured_win or self.off_rounds + 1 >= self.cfg.probe_interval:  # (else a probe: measure acceptance)
+        if measured_win or (probe and self.probe_due):
             return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
         return 0

@@ -73,6 +73,7 @@ class Scheduler:
         # Seeded requests must reproduce: their k may depend on their own acceptance history
         # (itself determined by the seed) but not on timings, so they plan with the prior costs.
         self.seeded_cost = CostModel()
+        self.plain_run = 0  # rounds in a row in which no row drafted (the batch's probe clock)
         self.stats = stats if stats is not None else SpecStats()  # may be shared too (the router's lanes)
 
     # ---- membership -------------------------------------------------------------------------
@@ -117,9 +118,12 @@ class Scheduler:
         p = seq.params
         return p.num_speculative_tokens is not None or (p.seed is not None and not p.greedy)
 
-    def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False, throttle: bool = False) -> int:
+    def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False, throttle: bool = False,
+                 probe: bool = True) -> int:
         """k for this row's next round, at most the live k_max and what the row may still emit.
-        `calibrate` / `throttle`: adaptive rows whose k may depend on timings run plain."""
+        `calibrate` / `throttle`: adaptive rows whose k may depend on timings run plain. `probe`:
+        an adaptive row due for a probing round may draft (pinned rows always may: their k must
+        not depend on what shares the batch)."""
         req = seq.params.num_speculative_tokens
         if not self.cfg.speculate:
             k = 0
@@ -131,7 +135,8 @@ class Scheduler:
                 return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here
             cost = self.seeded_cost if pinned else self.cost
             k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max,
-                                    measured_win=not pinned and self.cost.speculation_wins(batch))
+                                    measured_win=not pinned and self.cost.speculation_wins(batch),
+                                    probe=probe or pinned)
         else:
             k = self.cfg.k_max
         return max(0, min(k, self.cfg.k_max, seq.remaining - 1))
@@ -150,8 +155,9 @@ class Scheduler:
         calibrate = (self.cfg.speculate and self.cfg.adaptive and not prefill and self.cost.needs_plain_round(B)
                      and not any(self.pinned_k(s) for s in seqs))
         throttle = self.cfg.speculate and self.cfg.adaptive and not calibrate and self.cost.throttle(B)
-        ks = [self.choose_k(s, B, calibrate, throttle) for s in seqs]
+        ks = self._choose_ks(seqs, calibrate, throttle)
         K = max(ks)
+        self.plain_run = 0 if K else self.plain_run + 1
         steps = self._plain_steps(seqs, prefill) if K == 0 else None
         ngram_k = [self._ngram_k(s, k) for s, k in zip(seqs, ks)] if K and B <= self.cfg.lookup_max_batch else None
         uniforms = torch.zeros(len(seqs), 3, max(steps or [max(ngram_k or [K]) + 1]), dtype=torch.float64)
@@ -183,6 +189,16 @@ class Scheduler:
             ngram_k=ngram_k,
         )
         return RoundPlan(seqs, batch, prefill)
+
+    def _choose_ks(self, seqs: list[Sequence], calibrate: bool, throttle: bool) -> list[int]:
+        """Each row's k. In a batch, rows due for a probe wait for a round that drafts anyway or
+        for the batch's own probing round (one in `probe_interval`), and then probe together: a
+        lone probing row would cost every row a (k+1)-position verify or a multi-step plain round."""
+        B = len(seqs)
+        ks = [self.choose_k(s, B, calibrate, throttle, probe=B == 1) for s in seqs]
+        if B > 1 and (max(ks) > 0 or self.plain_run + 1 >= self.adaptive_cfg.probe_interval):
+            ks = [k or self.choose_k(s, B, calibrate, throttle) for s, k in zip(seqs, ks)]
+        return ks
 
     def _plain_steps(self, seqs: list[Sequence], prefill: bool) -> list[int] | None:
         """Tokens per row of a multi-step plain round, or None for one step: not while a prompt

@@ -103,6 +103,42 @@ def test_calibration_waits_for_a_round_without_prefill():
     assert sum(k > 0 for k in ks[3:]) >= 20, ks
 
 
+def _run_rejected_rounds(sched: Scheduler, rounds: int, join: dict[int, int]) -> list[list[int]]:
+    """Rounds in which every draft is rejected (drafts and longer verifies cost more), with the
+    throughput safeguard out of the way, so that only the rows' own probes bring drafts;
+    `join[r]` rows join before round r. Returns each round's k per row."""
+    sched.cost.speculation_wins = sched.cost.throttle = lambda batch: False
+    history = []
+    for r in range(rounds):
+        for _ in range(join.get(r, 0)):
+            sched.add(_seq(temperature=0))
+        plan = sched.plan()
+        ks = plan.draft_batch.num_draft
+        K = max(ks)
+        draft = DraftOutput(torch.full((len(ks), K), 7), list(ks), draft_steps=K)
+        sched.target_batch(plan, draft)
+        t = 0.05 * (1 + 0.05 * K)
+        sched.commit(plan, draft, VerifyOutput([[7]] * len(ks), [0] * len(ks)), 0.002 * K, t, t)
+        history.append(list(ks))
+    return history
+
+
+def test_rows_of_a_batch_probe_together():
+    """Rows whose speculation is off probe every `probe_interval` rounds; in a batch one probing
+    row makes every row's verify longer (and breaks multi-step plain rounds), so rows that joined
+    at different times must probe in the same rounds, not one row per round."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, k_max=4))
+    interval = sched.adaptive_cfg.probe_interval
+    history = _run_rejected_rounds(sched, 40 + 8 * interval, join={0: 1, 3: 1, 6: 1, 9: 1})
+    late = history[40:]  # every row long off: only probes draft
+    drafting = [ks for ks in late if max(ks) > 0]
+    assert 0 < len(drafting) <= len(late) // interval + 1, late
+    assert sum(k > 0 for ks in drafting for k in ks) >= 3 * len(drafting), drafting  # together
+    single = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))  # batch 1: probes as before
+    alone = _run_rejected_rounds(single, 40 + 8 * interval, join={0: 1})[40:]
+    assert sum(max(ks) > 0 for ks in alone) == len(alone) // interval, alone
+
+
 def test_lowering_k_max_applies_to_running_sequences():
     sched = Scheduler(SchedulerConfig(max_batch_size=2, k_max=4))
     seq = sched.add(_seq(temperature=0))
