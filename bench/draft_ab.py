@@ -3,7 +3,7 @@
     python bench/draft_ab.py --drafts smollm2-eagle,/work/distill/eagle6 [--k 3] [--temperatures 0,1.0]
 
 Each draft runs in the hybrid (prompt lookup where the text repeats, the draft elsewhere, as the
-default app does) at fixed k with first-draft siblings and `ngram_k` 8, beside plain decoding, on
+default app does) at fixed k with `ngram_k` 8 (no siblings: they are off by default), beside plain decoding, on
 four prompt sets: `specdec-bench`'s chat questions and held-out code prefixes, and the HTTP
 benchmark's everyday and coding questions (no distillation run trained on any of them).
 Configurations alternate prompt by prompt (this machine's speed drifts within minutes). Greedy
@@ -65,7 +65,7 @@ def main() -> None:
                 ref = None
                 for name, make in confs if i % 2 == 0 else confs[:1] + confs[:0:-1]:
                     out, dt, st = run_engine(model, tok, [p], make(1) if make else None, a.k if make else 0, 1,
-                                             a.max_tokens, siblings=1, ngram_k=8, temperature=temp, seed=i)
+                                             a.max_tokens, ngram_k=8, temperature=temp, seed=i)
                     if name == "plain":
                         ref = out
                     elif temp == 0 and ref is not None and out != ref:
@@ -80,7 +80,7 @@ def main() -> None:
                              f"{acc / prop if prop else 0:.3f} | {n / max(r, 1):.2f} |")
     bar.close()
     dname = str(dtype).removeprefix("torch.")
-    print(f"\nbatch 1, {dname}, hybrid k = {a.k} (siblings, ngram_k 8), {a.max_tokens} tokens, alternated per prompt\n")
+    print(f"\nbatch 1, {dname}, hybrid k = {a.k} (ngram_k 8), {a.max_tokens} tokens, alternated per prompt\n")
     print("| prompts | temperature | config | tokens/s | vs plain | acceptance | tokens per round |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(lines))

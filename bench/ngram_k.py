@@ -52,7 +52,7 @@ def main() -> None:
             for i, p in enumerate(prompts):
                 for name, make, k, n, lookup in confs:
                     out, dt, st = run_engine(model, tok, [p], make(1) if make else None, k, 1, a.max_tokens,
-                                             siblings=1, ngram_k=n, lookup=lookup)
+                                             ngram_k=n, lookup=lookup)
                     ref.setdefault(i, out)
                     if out != ref[i]:
                         raise AssertionError(f"{name}: output differs from plain decoding on {kind} prompt {i}")
