@@ -18,15 +18,13 @@ import os
 import sys
 from collections import defaultdict
 
-import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from http_bench import PROMPT_SETS  # noqa: E402
-from specdec.loader import fast_dtype, load_model, load_tokenizer, parse_dtype  # noqa: E402
 from specdec.prompts import encode_chat  # noqa: E402
-from specdec_tools.bench import CHAT, code_prompts, draft_factories, run_engine  # noqa: E402
+from specdec_tools.bench import CHAT, add_target_args, code_prompts, draft_factories, load_demo_target, run_engine  # noqa: E402
 
 
 def prompt_sets(tok, n: int) -> dict[str, list[list[int]]]:
@@ -43,12 +41,9 @@ def main() -> None:
     ap.add_argument("--sets", default="", help="comma-separated prompt sets (default: all)")
     ap.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    add_target_args(ap)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    dtype = parse_dtype(fast_dtype("cpu") if a.dtype == "auto" else a.dtype)
-    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=dtype)
+    tok, model, dtype = load_demo_target(a)
     drafts = a.drafts.split(",")
     hybrids = {d: dict(draft_factories(d, model, dtype))["hybrid (ngram>=3 + eagle)"] for d in drafts}
     sets = prompt_sets(tok, a.prompts)

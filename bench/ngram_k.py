@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-import torch
 from tqdm import tqdm
 
-from specdec.loader import fast_dtype, load_model, load_tokenizer, parse_dtype
 from specdec.prompts import encode_chat
 from specdec.proposers import NgramProposer
-from specdec_tools.bench import CHAT, code_prompts, draft_factories, run_engine
+from specdec_tools.bench import CHAT, add_target_args, code_prompts, draft_factories, load_demo_target, run_engine
 
 
 def main() -> None:
@@ -32,12 +30,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per kind")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    add_target_args(ap)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    dtype = parse_dtype(fast_dtype("cpu") if a.dtype == "auto" else a.dtype)
-    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=dtype)
+    tok, model, dtype = load_demo_target(a)
     hybrid = dict(draft_factories("smollm2-eagle", model, dtype))["hybrid (ngram>=3 + eagle)"]
     kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
              "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}

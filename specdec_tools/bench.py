@@ -247,6 +247,19 @@ def main(argv=None) -> None:
     bar.close()
 
 
+def add_target_args(ap) -> None:
+    """--dtype and --threads of the in-process benchmarks (bench/*.py)."""
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU runs it fast, else float32")
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def load_demo_target(a) -> tuple:
+    """(tokenizer, model, dtype) of the demo target, after applying --threads and --dtype."""
+    torch.set_num_threads(a.threads)
+    dtype = parse_dtype(fast_dtype("cpu") if a.dtype == "auto" else a.dtype)
+    return load_tokenizer("smollm2"), load_model("smollm2", dtype=dtype), dtype
+
+
 def draft_factories(draft: str, model, dtype, hybrid_ngram_min: int = 3):
     """(name, factory(batch) -> proposer) for a draft checkpoint alone and in the n-gram hybrid.
     An EAGLE checkpoint shares the benchmarked target's weights and reads its features."""
