@@ -24,13 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from http_bench import PROMPT_SETS  # noqa: E402
 from specdec.prompts import encode_chat  # noqa: E402
-from specdec_tools.bench import CHAT, add_target_args, code_prompts, draft_factories, load_demo_target, run_engine  # noqa: E402
+from specdec_tools.bench import add_target_args, draft_factories, load_demo_target, prompt_kinds, run_engine  # noqa: E402
 
 
 def prompt_sets(tok, n: int) -> dict[str, list[list[int]]]:
-    chat = lambda qs: [encode_chat(tok, [{"role": "user", "content": q}]) for q in qs[:n]]  # noqa: E731
-    return {"bench chat": chat(CHAT), "bench code": [tok(p).input_ids for p in code_prompts(n, tokenizer=tok)],
-            **{f"http {name}": chat(qs) for name, qs in PROMPT_SETS.items()}}
+    http = {f"http {name}": [encode_chat(tok, [{"role": "user", "content": q}]) for q in qs[:n]]
+            for name, qs in PROMPT_SETS.items()}
+    return {f"bench {kind}": ids for kind, ids in prompt_kinds(tok, n).items()} | http
 
 
 def main() -> None:
@@ -57,13 +57,12 @@ def main() -> None:
         for kind, prompts in sets.items():
             tot = defaultdict(lambda: [0, 0.0, 0, 0, 0])  # tokens, seconds, rounds, proposed, accepted
             for i, p in enumerate(prompts):
-                ref = None
-                for name, make in confs if i % 2 == 0 else confs[:1] + confs[:0:-1]:
+                for name, make in confs if i % 2 == 0 else confs[:1] + confs[:0:-1]:  # plain first
                     out, dt, st = run_engine(model, tok, [p], make(1) if make else None, a.k if make else 0, 1,
                                              a.max_tokens, ngram_k=8, temperature=temp, seed=i)
                     if name == "plain":
                         ref = out
-                    elif temp == 0 and ref is not None and out != ref:
+                    elif temp == 0 and out != ref:
                         raise AssertionError(f"{name}: output differs from plain decoding on {kind} prompt {i}")
                     t = tot[name]
                     for j, v in enumerate((len(out[0]), dt, st.rounds, st.proposed, st.accepted)):

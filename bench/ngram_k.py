@@ -17,9 +17,8 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
-from specdec.prompts import encode_chat
 from specdec.proposers import NgramProposer
-from specdec_tools.bench import CHAT, add_target_args, code_prompts, draft_factories, load_demo_target, run_engine
+from specdec_tools.bench import add_target_args, draft_factories, load_demo_target, prompt_kinds, run_engine
 
 
 def main() -> None:
@@ -34,8 +33,7 @@ def main() -> None:
     a = ap.parse_args()
     tok, model, dtype = load_demo_target(a)
     hybrid = dict(draft_factories("smollm2-eagle", model, dtype))["hybrid (ngram>=3 + eagle)"]
-    kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
-             "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}
+    kinds = prompt_kinds(tok, a.prompts)
     confs = [("plain", None, 0, 0, 0)] + [(f"hybrid k{a.k} ngram_k {n}", hybrid, a.k, n, 0)
                                           for n in map(int, a.ngram_ks.split(",") if a.ngram_ks else [])]
     confs += [(f"plain + lookup_k {n}", lambda b: NgramProposer(), 0, 0, n)

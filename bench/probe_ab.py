@@ -15,9 +15,8 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
-from specdec.prompts import encode_chat
 from specdec.scheduler import Scheduler
-from specdec_tools.bench import CHAT, add_target_args, code_prompts, draft_factories, load_demo_target, run_engine
+from specdec_tools.bench import add_target_args, draft_factories, load_demo_target, prompt_kinds, run_engine
 
 ALIGNED = Scheduler._choose_ks
 
@@ -36,8 +35,7 @@ def main() -> None:
     a = ap.parse_args()
     tok, model, dtype = load_demo_target(a)
     makers = dict(draft_factories("smollm2-eagle", model, dtype))
-    kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
-             "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}
+    kinds = prompt_kinds(tok, a.prompts)
     confs = [(f"{name} adaptive, {policy}", make, fn) for name, make in makers.items()
              for policy, fn in (("aligned", ALIGNED), ("per-row", per_row))]
     bar = tqdm(total=a.repeats * len(kinds) * (len(confs) + 1), desc="probes")
@@ -50,8 +48,8 @@ def main() -> None:
                 Scheduler._choose_ks = fn
                 out, dt, _ = run_engine(model, tok, prompts, make(len(prompts)) if make else None,
                                         3 if make else 0, len(prompts), a.max_tokens, adaptive=make is not None)
-                ref = ref or (out if make is None else None)
-                if ref is not None and out != ref:
+                ref = ref or out  # plain runs first
+                if out != ref:
                     raise AssertionError(f"{name}: output differs from plain decoding ({kind})")
                 tot[name][0] += sum(map(len, out))
                 tot[name][1] += dt

@@ -218,8 +218,7 @@ def main(argv=None) -> None:
         drafts += draft_factories(a.draft, model, dtype, a.hybrid_ngram_min)
     ks = [int(x) for x in a.ks.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
-    kinds = {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[: a.prompts]],
-             "code": [tok(p).input_ids for p in code_prompts(a.prompts, tokenizer=tok)]}
+    kinds = prompt_kinds(tok, a.prompts)
     per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1 + (1 if a.lookup else 0)
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
@@ -245,6 +244,13 @@ def main(argv=None) -> None:
         print(f"\n### {kind} prompts ({len(prompts)}), greedy, {a.max_tokens} new tokens, {a.dtype}")
         print_table(rows, plain)
     bar.close()
+
+
+def prompt_kinds(tok, n: int) -> dict[str, list[list[int]]]:
+    """The benchmark's prompts as token ids: n chat questions (chat template) and n held-out code
+    openings."""
+    return {"chat": [encode_chat(tok, [{"role": "user", "content": q}]) for q in CHAT[:n]],
+            "code": [tok(p).input_ids for p in code_prompts(n, tokenizer=tok)]}
 
 
 def add_target_args(ap) -> None:
