@@ -12,11 +12,17 @@ target's own, frozen and not stored: the head keeps only the rows of a reduced v
 (FR-Spec, Zhao et al. 2025), which the rejection sampler handles losslessly. What a checkpoint
 holds is small: fc and the decoder layer (~4.5M parameters for a 576-wide target).
 
+EAGLE-3's feature fusion (Li et al. 2025) is optional: a draft with `feature_layers` reads, in
+place of f_p, [t_p^(l1); ...; f_p] -- the RMS-normalized outputs of those target layers before the
+final feature (`Transformer.hidden_states(taps=True)`) -- through `fuse` ([hidden] from
+[(n+1) * hidden]) at its first step; later steps read their own g as before. `fuse` starts as
+[0 ... 0 I], i.e. exactly the unfused draft, so fine-tuning an EAGLE-1 draft only adds to it.
+
 The layer's KV cache is the same slot cache as the target's (specdec.model), indexed by position
 relative to the first feature the draft saw for a sequence (`base`): attention with rotary
 embeddings depends only on position differences, so a draft that joins a sequence late (a
 restarted replica) just attends to fewer positions. Checkpoint layout (a directory):
-config.json (the layer's dimensions), model.safetensors (fc + layers), the tokenizer, and
+config.json (the layer's dimensions, `feature_layers`), model.safetensors (fuse, fc and layers), the tokenizer, and
 specdec.json with {"kind": "eagle", "target": ..., "draft_vocab": [...]}.
 """
 from __future__ import annotations
@@ -36,10 +42,12 @@ EAGLE_KIND = "eagle"
 class EagleDraft(Transformer):
     """fc over [feature; next-token embedding] + `num_layers` decoder layers + the target's head rows."""
 
-    def __init__(self, args: ModelArgs, draft_vocab: int, num_layers: int = 1):
+    def __init__(self, args: ModelArgs, draft_vocab: int, num_layers: int = 1, feature_layers=()):
         nn.Module.__init__(self)
         self.args = ModelArgs(**{**asdict(args), "num_layers": num_layers})
         H = args.hidden_size
+        self.feature_layers = tuple(feature_layers)  # the target layers fused before its final feature
+        self.fuse = nn.Linear((len(self.feature_layers) + 1) * H, H, bias=False) if self.feature_layers else None
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.layers = nn.ModuleList(DecoderLayer(self.args) for _ in range(num_layers))
         self.embed_tokens = nn.Embedding(args.vocab_size, H)  # the target's, frozen, not saved
@@ -55,15 +63,21 @@ class EagleDraft(Transformer):
 
     @classmethod
     def for_target(cls, target: Transformer, token_map: Tensor, num_layers: int = 1,
-                   args: ModelArgs | None = None) -> "EagleDraft":
-        """A fresh draft (float32 fc and layers) sharing `target`'s embedding and the head rows of
-        `token_map` (frozen). `args` overrides the layer's sizes (default: the target's)."""
+                   args: ModelArgs | None = None, feature_layers=()) -> "EagleDraft":
+        """A fresh draft (float32 fuse, fc and layers) sharing `target`'s embedding and the head
+        rows of `token_map` (frozen). `args` overrides the layer's sizes (default: the target's);
+        `fuse` starts as the identity on the final feature."""
         args = args or target.args
         with torch.device("meta"):
-            draft = cls(args, len(token_map), num_layers)
+            draft = cls(args, len(token_map), num_layers, feature_layers)
+        H = args.hidden_size
         with torch.device(target.device):
-            draft.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=True)
+            draft.fc = nn.Linear(2 * H, H, bias=True)
             draft.layers = nn.ModuleList(DecoderLayer(draft.args) for _ in range(num_layers))
+            if draft.feature_layers:
+                draft.fuse = nn.Linear((len(draft.feature_layers) + 1) * H, H, bias=False)
+                with torch.no_grad():
+                    draft.fuse.weight.zero_()[:, -H:] = torch.eye(H)
         draft.attach_target(target, token_map)
         return draft
 
@@ -79,12 +93,16 @@ class EagleDraft(Transformer):
 
     def trained_state(self) -> dict[str, Tensor]:
         """What a checkpoint stores: fc and the decoder layers (not the shared embedding/head)."""
-        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layers."))}
+        return {k: v for k, v in self.state_dict().items() if k.startswith(("fuse.", "fc.", "layers."))}
 
     # ---- forward passes --------------------------------------------------------------------
     def _inputs(self, features: Tensor, tokens: Tensor) -> Tensor:
-        # features: [B, T, hidden] (f_p or the draft's own g), tokens: [B, T] (x_{p+1})
-        return self.fc(torch.cat([features.to(self.dtype), self.embed_tokens(tokens).to(self.dtype)], dim=-1))
+        # features: [B, T, hidden] (f_p or the draft's own g) or the target's taps and f_p
+        # [B, T, (n+1) * hidden] (fused first); tokens: [B, T] (x_{p+1})
+        features = features.to(self.dtype)
+        if features.shape[-1] != self.args.hidden_size:
+            features = self.fuse(features)
+        return self.fc(torch.cat([features, self.embed_tokens(tokens).to(self.dtype)], dim=-1))
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
                 n_logits: int = 1, n_hidden: int = 0, features: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -135,7 +153,8 @@ class EagleDraft(Transformer):
                   "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
                   "num_hidden_layers": a.num_layers, "num_attention_heads": a.num_heads,
                   "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "rms_norm_eps": a.rms_norm_eps,
-                  "vocab_size": a.vocab_size, "draft_vocab_size": int(self.lm_head.weight.shape[0])}
+                  "vocab_size": a.vocab_size, "draft_vocab_size": int(self.lm_head.weight.shape[0]),
+                  "feature_layers": list(self.feature_layers)}
         (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
         state = {k: v.detach().to(dtype).contiguous() for k, v in self.trained_state().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -167,7 +186,17 @@ def check_eagle_fits(path: str | Path, target_args: ModelArgs) -> dict:
     for key, mine in (("hidden_size", target_args.hidden_size), ("vocab_size", target_args.vocab_size)):
         if config[key] != mine:
             raise ValueError(f"EAGLE draft {path} was trained for {key}={config[key]}, the target has {mine}")
+    bad = [i for i in config.get("feature_layers", ()) if not 0 <= i < target_args.num_layers - 1]
+    if bad:
+        raise ValueError(f"EAGLE draft {path} fuses target layers {bad}; the target has {target_args.num_layers}")
     return config
+
+
+def feature_layers(spec: str | Path | None) -> list[int]:
+    """The target layers an EAGLE checkpoint fuses before the final feature ([] for EAGLE-1 drafts)."""
+    if not is_eagle(spec):
+        return []
+    return list(json.loads((_dir(spec) / "config.json").read_text()).get("feature_layers", []))
 
 
 def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> EagleDraft:
@@ -184,7 +213,7 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
                         "num_heads": config["num_attention_heads"], "num_kv_heads": config["num_key_value_heads"],
                         "head_dim": config["head_dim"]})
     draft = EagleDraft.for_target(target, torch.tensor(extra["draft_vocab"], dtype=torch.long),
-                                  config["num_hidden_layers"], args)
+                                  config["num_hidden_layers"], args, config.get("feature_layers", ()))
     state = load_file(str(path / "model.safetensors"))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     trained = set(draft.trained_state())
@@ -193,8 +222,9 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
                          f"unexpected {unexpected[:4]}")
     draft.extra = extra
     dtype = dtype or target.dtype
-    draft.fc.to(dtype)
-    draft.layers.to(dtype)
+    for part in (draft.fuse, draft.fc, draft.layers):
+        if part is not None:
+            part.to(dtype)
     return draft.eval()
 
 

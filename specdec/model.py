@@ -272,6 +272,7 @@ class Transformer(nn.Module):
         self.num_slots = 0
         self.max_len = 0
         self.exact_positions: bool | None = None  # None: position_invariant follows the dtype
+        self.feature_layers: tuple[int, ...] = ()  # layers whose outputs lead the features (EAGLE-3 fusion)
 
     @property
     def position_invariant(self) -> bool:
@@ -310,9 +311,12 @@ class Transformer(nn.Module):
         scale = self.attention_scaling
         return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
 
-    def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor, sibling: Tensor | None = None) -> Tensor:
+    def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor, sibling: Tensor | None = None,
+                      taps: bool = False) -> Tensor:
         """tokens: [B, T] new tokens; slots, starts: [B]; sibling: see `BatchIndex.build`.
-        Returns final-norm features [B, T, hidden]."""
+        Returns final-norm features [B, T, hidden]; with `taps`, the outputs of `feature_layers`
+        (RMS-normalized, no weight) precede them: [B, T, (len(feature_layers) + 1) * hidden], the
+        low/middle/high fusion an EAGLE-3 draft reads (Li et al. 2025)."""
         exact = self.position_invariant
         lone = exact and tokens.numel() == 1  # a one-row matmul takes another kernel: add a dummy position
         if lone:
@@ -320,9 +324,14 @@ class Transformer(nn.Module):
         rows = BatchIndex.build(slots, starts, tokens.shape[1], exact, sibling)
         cos, sin = self.rope(rows.pos_grid if rows.rope_grid is None else rows.rope_grid)
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
+        tapped = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, rows)
+            if taps and i in self.feature_layers:
+                tapped.append(F.rms_norm(x, (x.shape[-1],), eps=self.args.rms_norm_eps))
         h = self.norm(x)
+        if tapped:
+            h = torch.cat([*tapped, h], dim=-1)
         return h[:, :1] if lone else h
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
@@ -332,9 +341,11 @@ class Transformer(nn.Module):
         tokens: [B, T]; slots, starts: [B]; last: [B] index (within T) of each row's last real
         token (default T-1); sibling [B, 2]: a draft tree's extra node (`BatchIndex.build`).
         Returns (logits [B, n_logits, vocab] float32, hidden [B, n, hidden]) with
-        n = max(n_logits, n_hidden): features of the last n positions (for EAGLE drafts).
+        n = max(n_logits, n_hidden): features of the last n positions (for EAGLE drafts; with
+        `feature_layers`, their taps first, see `hidden_states`).
         """
-        return self.head(self.hidden_states(tokens, slots, starts, sibling), last, n_logits, n_hidden)
+        return self.head(self.hidden_states(tokens, slots, starts, sibling, taps=n_hidden > 0), last, n_logits,
+                         n_hidden)
 
     def head(self, h: Tensor, last: Tensor | None, n_logits: int, n_hidden: int = 0) -> tuple[Tensor, Tensor]:
         """h: [B, T, hidden] -> (logits of the last n_logits positions up to `last`, their features)."""
@@ -344,7 +355,10 @@ class Transformer(nn.Module):
             last = torch.full((B,), T - 1, device=h.device)
         idx = (last[:, None] - n + 1 + torch.arange(n, device=h.device)).clamp(min=0)
         h = torch.gather(h, 1, idx[:, :, None].expand(-1, -1, h.shape[-1]))  # [B, n, hidden]
-        return self.lm_head(h[:, n - n_logits:]).float(), h
+        top = h[:, n - n_logits:]
+        if top.shape[-1] != self.args.hidden_size:  # taps lead h: the head reads the final features,
+            top = top[..., -self.args.hidden_size:].contiguous()  # laid out as without taps (same kernel)
+        return self.lm_head(top).float(), h
 
     def first_layers(self, n: int) -> "Transformer":
         """A self-speculation draft: this model's first n layers, final norm and head, sharing the

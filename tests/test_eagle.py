@@ -211,3 +211,89 @@ def test_feature_cache_reuses_rows_by_content_wherever_they_move(target, tmp_pat
     assert again.kinds == ["chat", "follow-up", "chat", "chat"]
     assert torch.equal(again.feats[0], first.feats[2]) and torch.equal(again.feats[2], first.feats[0])
     assert len(FeatureCache.load(path).tokens) == 4
+
+
+class Drafts(EagleProposer):
+    """Records every round's proposals."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.proposed = []
+
+    def propose(self, batch):
+        out = super().propose(batch)
+        self.proposed.append([out.tokens[i, : out.num_draft[i]].tolist() for i in range(len(batch))])
+        return out
+
+
+def fused_copy(target, draft, layers=(0,)):
+    """`draft` with EAGLE-3 fusion over `layers`, fuse at its identity start."""
+    fused = EagleDraft.for_target(target, draft.token_map, feature_layers=layers).eval()
+    fused.load_state_dict(draft.trained_state(), strict=False)
+    return fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_taps_leave_the_logits_alone(tiny_dir, dtype):
+    """With feature_layers the features gain the taps in front; the logits stay bit-identical."""
+    model = load_model(tiny_dir, dtype=dtype)
+    model.setup_cache(2, 64)
+    x, slots, starts = torch.randint(0, 500, (2, 7)), torch.arange(2), torch.zeros(2, dtype=torch.long)
+    with torch.inference_mode():
+        ref_logits, ref_h = model(x, slots, starts, n_logits=4, n_hidden=5)
+        model.feature_layers = (0,)
+        logits, h = model(x, slots, starts, n_logits=4, n_hidden=5)
+    H = model.args.hidden_size
+    assert torch.equal(logits, ref_logits) and torch.equal(h[..., H:], ref_h)
+    assert h.shape[-1] == 2 * H and not torch.equal(h[..., :H], ref_h)
+
+
+def test_fused_draft_starts_as_the_unfused_one_and_is_lossless(target, prompts, tiny_tok, tiny_dir, tmp_path):
+    """EAGLE-3 fusion: at its identity start a fusing draft proposes exactly what the draft it was
+    made from proposes; with a trained (here: perturbed) fuse the target's taps change its
+    proposals, greedy output still equals plain decoding, and the checkpoint round-trips."""
+    from specdec.eagle_draft import feature_layers
+    ref = run(engine(target, None), prompts, greedy())
+    draft = make_eagle(target, vocab=target.args.vocab_size)
+    plain_p, fused_p = Drafts(draft, 8, 512), Drafts(fused_copy(target, draft), 8, 512)
+    assert run(engine(target, plain_p), prompts, greedy()) == ref
+    assert run(engine(target, fused_p), prompts, greedy()) == ref
+    assert fused_p.proposed == plain_p.proposed and sum(map(len, sum(plain_p.proposed, []))) > 20
+    fused = fused_copy(target, draft)
+    with torch.no_grad():
+        fused.fuse.weight.add_(torch.randn_like(fused.fuse.weight) * 0.5)
+    perturbed = Drafts(fused, 8, 512)
+    assert run(engine(target, perturbed), prompts, greedy()) == ref
+    assert perturbed.proposed != plain_p.proposed
+    fused.save(tmp_path / "fused", tiny_tok, {"target": str(tiny_dir)}, dtype=torch.float32)
+    again = load_eagle(tmp_path / "fused", target)
+    assert again.feature_layers == (0,) and feature_layers(tmp_path / "fused") == [0]
+    assert all(torch.equal(v, again.trained_state()[k]) for k, v in fused.trained_state().items())
+    hybrid = HybridProposer(NgramProposer(min_n=3), EagleProposer(again, 8, 512))
+    assert hybrid.feature_layers == (0,) and run(engine(target, hybrid), prompts, greedy()) == ref
+    target.feature_layers = ()
+
+
+def test_fused_features_are_cached_and_trained(target, tmp_path):
+    """The feature cache of a target with feature_layers holds [taps; final feature] per position
+    (the final part equal to an untapped cache), and eagle_loss trains fuse through every step."""
+    from specdec_tools.distill.eagle_train import EagleTrainConfig, FeatureCache, eagle_loss
+    g = torch.Generator().manual_seed(0)
+    rows = [("chat", torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist()) for n in (9, 12)]
+    H = target.args.hidden_size
+    plain = FeatureCache.build(target, rows, path=tmp_path / "f.pt")
+    target.feature_layers = (0,)
+    try:
+        tapped = FeatureCache.build(target, rows, path=tmp_path / "f-0.pt")
+    finally:
+        target.feature_layers = ()
+    assert all(f.shape[-1] == 2 * H and torch.equal(f[:, H:], p) for f, p in zip(tapped.feats, plain.feats))
+    assert torch.equal(tapped.pred_counts, plain.pred_counts)
+    draft = fused_copy(target, make_eagle(target))
+    feats = torch.nn.utils.rnn.pad_sequence(tapped.feats, batch_first=True).float()
+    toks = torch.nn.utils.rnn.pad_sequence(tapped.tokens, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(t), dtype=torch.bool) for t in tapped.tokens],
+                                           batch_first=True)
+    loss, info = eagle_loss(draft, feats, toks, mask, EagleTrainConfig(draft_steps=3, noise=0.0))
+    loss.backward()
+    assert "top1_step3" in info and bool(draft.fuse.weight.grad[:, :H].abs().sum() > 0)

@@ -13,6 +13,7 @@ from specdec.metadata import DraftOutput, SpecBatch
 
 class Proposer(ABC):
     needs_features = False  # True: propose() reads the target's features (SpecBatch.features)
+    feature_layers: tuple[int, ...] = ()  # target layers whose outputs lead those features (EAGLE-3 fusion)
 
     @abstractmethod
     def propose(self, batch: SpecBatch) -> DraftOutput:

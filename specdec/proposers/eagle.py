@@ -56,6 +56,7 @@ class EagleProposer(DraftModelProposer):
 
     def __init__(self, model, num_slots: int, max_model_len: int, top_j: int = 32, **_):
         super().__init__(model, num_slots, max_model_len, model.token_map, top_j)
+        self.feature_layers = model.feature_layers
         self.buffers: dict[int, FeatureBuffer] = {}
         self._spans: dict[int, tuple[int, int]] = {}  # this round: row -> true positions step 0 enters
         self._g: dict[int, Tensor] = {}  # this round: row -> its last predicted feature

@@ -22,7 +22,7 @@ from specdec.rejection_sampler import DraftProbs
 class HybridProposer(Proposer):
     def __init__(self, ngram: Proposer, model: Proposer):
         self.ngram, self.model = ngram, model
-        self.needs_features = model.needs_features
+        self.needs_features, self.feature_layers = model.needs_features, model.feature_layers
         self.ngram_rows = self.model_rows = 0  # rows drafted by each side (for reports)
 
     @property

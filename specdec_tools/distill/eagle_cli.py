@@ -42,7 +42,10 @@ def add_arguments(p) -> None:
                    help="draft steps trained (training-time test): each step past the first adds a "
                    "pass on the previous step's predicted features")
     g.add_argument("--work", help="caches and optimizer state (default: <out>.work)")
-    g.add_argument("--init-draft", help="start from this EAGLE draft's fc and layers (fine-tuning; its "
+    g.add_argument("--feature-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                   help="EAGLE-3 fusion: target layers (0-based, e.g. 2,14) whose outputs the draft reads "
+                   "beside the final feature (default: none, EAGLE-1)")
+    g.add_argument("--init-draft", help="start from this EAGLE draft's fuse, fc and layers (fine-tuning; its "
                    "vocabulary is replaced by the one selected from this run's data)")
     c = p.add_argument_group("everyday chat data (specdec_tools.distill.chat)")
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
@@ -135,7 +138,9 @@ def run(args, argv: list[str]) -> dict:
         print(f"everyday chat answers: {len(talk)} ({sum(len(r['output']) for r in talk)} tokens)", flush=True)
         answers += [{**r, "i": len(answers) + j} for j, r in enumerate(talk)]
     rows = training_rows(args, corpus, tok, eos, answers)
-    cache = FeatureCache.build(target, rows, path=work / "features.pt")
+    target.feature_layers = tuple(args.feature_layers)
+    name = "features" + "".join(f"-{i}" for i in args.feature_layers)  # one cache per feature layout
+    cache = FeatureCache.build(target, rows, path=work / f"{name}.pt")
     print(f"teacher features: {len(cache.tokens)} rows, {cache.num_tokens} tokens", flush=True)
 
     ckpt = torch.load(work / "ckpt.pt", weights_only=False) if args.resume and (work / "ckpt.pt").is_file() else None
@@ -145,7 +150,7 @@ def run(args, argv: list[str]) -> dict:
         kept, vocab_info = cache.select_vocab(args.draft_vocab, special_ids(tok, target_cfg))
     print(f"draft vocabulary: {len(kept)} tokens covering {vocab_info.get('coverage')} of the target's "
           f"greedy predictions on the training rows", flush=True)
-    draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long))
+    draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long), feature_layers=args.feature_layers)
     if args.init_draft and ckpt is None:
         draft.load_state_dict(load_eagle(args.init_draft, target, torch.float32).trained_state(), strict=False)
         print(f"initialised from {args.init_draft}", flush=True)

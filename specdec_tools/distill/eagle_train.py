@@ -30,10 +30,11 @@ from specdec_tools.distill.train import lr_factor
 
 @dataclass
 class FeatureCache:
-    """Rows of tokens with the target's final-norm features (bf16), plus greedy-prediction counts."""
+    """Rows of tokens with the target's features (bf16: final-norm, after the taps of its
+    `feature_layers` if it has any), plus greedy-prediction counts."""
 
     tokens: list[Tensor]  # each [L] long
-    feats: list[Tensor]  # each [L, hidden] bfloat16
+    feats: list[Tensor]  # each [L, (taps + 1) * hidden] bfloat16
     kinds: list[str]
     pred_counts: Tensor  # [vocab] how often the target's greedy prediction was each token
 
@@ -81,8 +82,8 @@ class FeatureCache:
             tokens[r, : len(ids)] = torch.tensor(ids)
         if target.num_slots < len(rows) or target.max_len < T or target.layers[0].self_attn.kv_cache is None:
             target.setup_cache(max(len(rows), target.num_slots), max(T, target.max_len))
-        h = target.hidden_states(tokens, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long))
-        pred = target.lm_head(h).argmax(-1)  # [b, T] the target's greedy tokens: ranks the draft vocabulary
+        h = target.hidden_states(tokens, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long), taps=True)
+        pred = target.lm_head(h[..., -target.args.hidden_size:]).argmax(-1)  # [b, T] the target's greedy tokens: ranks the draft vocabulary
         toks, feats = [], []
         for r, ids in enumerate(rows):
             n = len(ids)
@@ -133,7 +134,8 @@ class EagleTrainConfig:
 
 def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, cfg: EagleTrainConfig,
                train: bool = True) -> tuple[Tensor, dict]:
-    """feats [B, L, hidden] f_0..f_{L-1}, tokens [B, L] x_0..x_{L-1}, mask [B, L] real positions.
+    """feats [B, L, hidden] f_0..f_{L-1} (with a fusing draft: [B, L, (taps + 1) * hidden], the final
+    feature last), tokens [B, L] x_0..x_{L-1}, mask [B, L] real positions.
 
     Step 1: position p reads (f_p, x_{p+1}) and predicts g_p ~ f_{p+1}. With cfg.draft_steps = 2, a
     second pass reads (g_{p-1}, x_{p+1}) -- the draft's own prediction of f_p, as at the second
@@ -141,7 +143,7 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     the same targets (weighted cfg.step2_weight): later draft steps degrade less. Each further step
     j reads step j-1's predictions the same way (its own errors compounded, as at draft step j of
     inference; the attention context stays the first pass's entries), weighted step2_weight^(j-1)."""
-    f_in, f_out = feats[:, :-1].float(), feats[:, 1:].float()
+    f_in, f_out = feats[:, :-1].float(), feats[:, 1:, -draft.args.hidden_size:].float()
     if train and cfg.noise > 0:
         f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.noise
     m = (mask[:, 1:] & mask[:, :-1]).float()  # [B, L-1] positions with a real next token
@@ -152,7 +154,8 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     loss, info = _step_loss(g, f_out, head, p_teacher, t_top, m, cfg.cls_weight)
     prev, m_j = g, m.clone()
     for j in range(2, cfg.draft_steps + 1):  # training-time test: step j reads step j-1's predictions
-        f_j = torch.cat([f_in[:, :1], prev[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
+        first = f_in[:, :1] if draft.fuse is None else draft.fuse(f_in[:, :1].to(draft.dtype)).to(f_in.dtype)
+        f_j = torch.cat([first, prev[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
         prev, _ = draft.forward_train(f_j, tokens[:, 1:], context=kv)
         m_j = m_j.clone()  # (not in place: the previous step's loss saved it for backward)
         m_j[:, j - 2] = 0  # the first j-1 positions have no step j-1 prediction
