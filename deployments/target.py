@@ -45,6 +45,7 @@ class TargetConfig(ModelRuntime):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree: ranks (bundles) per replica.")
     num_slots: int = Field(16, ge=1, description="KV-cache slots (concurrent sequences) per replica.")
     return_hidden: bool = Field(False, description="Return hidden states of emitted positions (EAGLE drafts).")
+    feature_layers: list[int] = Field(default_factory=list, description="Layers whose outputs precede the final feature in those hidden states (an EAGLE-3 draft's fusion, from its config.json).")
     worker_cpus: float = Field(0.5, gt=0, description="CPUs each TP worker actor asks for (its bundle's share).")
     worker_gpus: float = Field(0, ge=0, description="GPUs each TP worker actor asks for.")
 
@@ -53,6 +54,7 @@ def _load_rank(cfg: TargetConfig, rank: int, world: int):
     set_torch_threads(cfg.num_threads)
     device = f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu"
     model = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=device)
+    model.feature_layers = tuple(cfg.feature_layers)
     return apply_tp(model, rank, world)
 
 

@@ -18,6 +18,7 @@ from deployments.draft import DraftConfig, ProposerSettings
 from deployments.router import RouterConfig, SchedulingConfig
 from deployments.target import TargetConfig
 from serve_app.telemetry import TracingConfig
+from specdec.eagle_draft import feature_layers
 
 DRAFT_PROPOSERS = frozenset({"draft", "eagle", "hybrid"})  # proposers that read a draft checkpoint
 
@@ -142,6 +143,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         return TargetConfig(**self._runtime(), model=self.target, tp=self.tp, num_slots=self.target_slots,
                             worker_cpus=self.target_cpus,
                             return_hidden=self.uses_features,
+                            feature_layers=feature_layers(self.draft) if self.uses_features else [],
                             worker_gpus=1 if self.device == "cuda" else 0)
 
     def draft_config(self) -> DraftConfig | None:

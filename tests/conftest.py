@@ -97,7 +97,8 @@ def metrics_port(ray_cluster) -> int:
 
 @pytest.fixture(scope="session")
 def tiny_eagle_dir(tmp_path_factory, tiny_dir, tiny_tok):
-    """An untrained EAGLE-style draft for the tiny target (reduced 128-token head)."""
+    """An untrained EAGLE-style draft for the tiny target (reduced 128-token head) that fuses the
+    target's layer 0 with a random fuse (EAGLE-3), so the services that load it carry the taps."""
     import torch
     from specdec.eagle_draft import EagleDraft
     from specdec.loader import load_model
@@ -105,5 +106,8 @@ def tiny_eagle_dir(tmp_path_factory, tiny_dir, tiny_tok):
     target = load_model(tiny_dir)
     ids = torch.randperm(target.args.vocab_size)[:128].sort().values
     out = tmp_path_factory.mktemp("tiny_eagle") / "eagle"
-    EagleDraft.for_target(target, ids).save(out, tiny_tok, {"target": str(tiny_dir)}, dtype=torch.float32)
+    draft = EagleDraft.for_target(target, ids, feature_layers=(0,))
+    with torch.no_grad():
+        draft.fuse.weight.normal_(0.0, 0.2)
+    draft.save(out, tiny_tok, {"target": str(tiny_dir)}, dtype=torch.float32)
     return out

@@ -73,3 +73,14 @@ def test_auto_dtype_is_bfloat16_where_it_is_native_and_lossless(monkeypatch, tmp
     a = AppArgs(proposer="ngram", device=device)  # dtype defaults to "auto"
     assert a.dtype == expected
     assert AppArgs(proposer="ngram", device=device, dtype="float32").dtype == "float32"  # an explicit choice stays
+
+
+def test_the_target_returns_the_taps_a_fusing_draft_reads(tiny_dir, tiny_eagle_dir):
+    """An EAGLE-3 draft (feature_layers in its config.json) makes the target replicas tap those layers."""
+    a = AppArgs(target=str(tiny_dir), proposer="hybrid", draft=str(tiny_eagle_dir))
+    a.validate_models()
+    cfg = a.target_config()
+    assert cfg.return_hidden and cfg.feature_layers == [0]
+    off = AppArgs(target=str(tiny_dir), proposer="hybrid", draft=str(tiny_eagle_dir), num_speculative_tokens=0)
+    off.validate_models()
+    assert off.target_config().feature_layers == []

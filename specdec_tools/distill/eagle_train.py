@@ -44,7 +44,7 @@ class FeatureCache:
 
     @classmethod
     @torch.inference_mode()
-    def build(cls, target, rows: list[tuple[str, list[int]]], batch_rows: int = 8, desc: str = "teacher features",
+    def build(cls, target, rows: list[tuple[str, list[int]]], batch_rows: int = 16, desc: str = "teacher features",
               path: Path | None = None, save_every: int = 1024) -> "FeatureCache":
         """Prefill `rows` ((kind, token ids)) through `target`, returned in their order. Rows are
         cached by content in `path` (saved every `save_every` new rows): a rerun with rows added
@@ -82,7 +82,12 @@ class FeatureCache:
             tokens[r, : len(ids)] = torch.tensor(ids)
         if target.num_slots < len(rows) or target.max_len < T or target.layers[0].self_attn.kv_cache is None:
             target.setup_cache(max(len(rows), target.num_slots), max(T, target.max_len))
-        h = target.hidden_states(tokens, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long), taps=True)
+        exact, target.exact_positions = target.exact_positions, False  # SDPA: 2-3x faster prefill here;
+        try:  # features for training need no bit-exactness across forward shapes
+            h = target.hidden_states(tokens, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long),
+                                     taps=True)
+        finally:
+            target.exact_positions = exact
         pred = target.lm_head(h[..., -target.args.hidden_size:]).argmax(-1)  # [b, T] the target's greedy tokens: ranks the draft vocabulary
         toks, feats = [], []
         for r, ids in enumerate(rows):
