@@ -41,6 +41,7 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     tok, target = load_tokenizer(a.target), load_model(a.target, dtype=torch.float32)
     draft = load_eagle(a.draft, target, dtype=torch.float32)
+    target.feature_layers = draft.feature_layers  # an EAGLE-3 draft reads the taps of these layers too
     max_len = 1024
     eng = LLMEngine(TargetWorker(target, 1, max_len), None, tok,
                     EngineConfig(max_batch_size=1, max_model_len=max_len, speculate=False))

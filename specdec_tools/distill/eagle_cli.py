@@ -176,13 +176,16 @@ def write_model_card(out: Path, extra: dict) -> Path:
     m = extra.get("metrics", {})
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     acc = m.get("acceptance", {})
+    taps = json.loads((out / "config.json").read_text()).get("feature_layers") or []
+    feature = (f"[the target's layers {taps} (RMS-normalized) and final-norm feature, fused by a linear map (EAGLE-3, "
+               "Li et al. 2025)" if taps else "[the target's final-norm feature")
     lines = [
         f"# EAGLE-style draft for `{extra.get('target')}`", "",
-        "One decoder layer over [the target's final-norm feature, the next token's embedding] that",
+        f"One decoder layer over {feature}, the next token's embedding] that",
         "predicts the target's next feature (Li et al. 2024, EAGLE-1), with the target's own embedding and",
         f"the target's head rows for {len(extra.get('draft_vocab', []))} tokens (FR-Spec, Zhao et al. 2025) "
         "shared at load time, so",
-        f"only the fc and the layer are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
+        f"only {'fuse, ' if taps else ''}the fc and the layer are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
         "Load it with `proposer=eagle draft=<this directory>` (or `proposer=hybrid`); see specdec/eagle_draft.py.", "",
         "## How it was made", "", "```bash", extra.get("command", ""), "```", "",
         f"- data: {m.get('data', {})}",
