@@ -96,13 +96,15 @@ class EagleDraft(Transformer):
         return {k: v for k, v in self.state_dict().items() if k.startswith(("fuse.", "fc.", "layers."))}
 
     # ---- forward passes --------------------------------------------------------------------
-    def _inputs(self, features: Tensor, tokens: Tensor) -> Tensor:
-        # features: [B, T, hidden] (f_p or the draft's own g) or the target's taps and f_p
-        # [B, T, (n+1) * hidden] (fused first); tokens: [B, T] (x_{p+1})
+    def fused(self, features: Tensor) -> Tensor:
+        """[..., hidden] features as the layer reads them: the target's taps and f_p
+        [..., (n+1) * hidden] through `fuse`; f_p or the draft's own g as they are."""
         features = features.to(self.dtype)
-        if features.shape[-1] != self.args.hidden_size:
-            features = self.fuse(features)
-        return self.fc(torch.cat([features, self.embed_tokens(tokens).to(self.dtype)], dim=-1))
+        return features if features.shape[-1] == self.args.hidden_size else self.fuse(features)
+
+    def _inputs(self, features: Tensor, tokens: Tensor) -> Tensor:
+        # features: see `fused`, [B, T, *]; tokens: [B, T] (x_{p+1})
+        return self.fc(torch.cat([self.fused(features), self.embed_tokens(tokens).to(self.dtype)], dim=-1))
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
                 n_logits: int = 1, n_hidden: int = 0, features: Tensor | None = None) -> tuple[Tensor, Tensor]:

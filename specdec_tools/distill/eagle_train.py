@@ -159,8 +159,7 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     loss, info = _step_loss(g, f_out, head, p_teacher, t_top, m, cfg.cls_weight)
     prev, m_j = g, m.clone()
     for j in range(2, cfg.draft_steps + 1):  # training-time test: step j reads step j-1's predictions
-        first = f_in[:, :1] if draft.fuse is None else draft.fuse(f_in[:, :1].to(draft.dtype)).to(f_in.dtype)
-        f_j = torch.cat([first, prev[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
+        f_j = torch.cat([draft.fused(f_in[:, :1]).to(f_in.dtype), prev[:, :-1].detach().to(f_in.dtype)], 1)  # g_{p-1} in place of f_p
         prev, _ = draft.forward_train(f_j, tokens[:, 1:], context=kv)
         m_j = m_j.clone()  # (not in place: the previous step's loss saved it for backward)
         m_j[:, j - 2] = 0  # the first j-1 positions have no step j-1 prediction
