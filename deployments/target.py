@@ -54,7 +54,8 @@ def _load_rank(cfg: TargetConfig, rank: int, world: int):
     set_torch_threads(cfg.num_threads)
     device = f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu"
     model = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=device)
-    model.feature_layers = tuple(cfg.feature_layers)
+    if rank == 0:  # only rank 0's features leave the replica: the other ranks skip the taps
+        model.feature_layers = tuple(cfg.feature_layers)
     return apply_tp(model, rank, world)
 
 
