@@ -63,7 +63,7 @@ def models(tmp_path_factory):
     _tiny_llama(root / "draft", seed=12, layers=1, hidden=32, scale=0.35)
     target, draft = load_model(root / "target"), load_model(root / "draft")
     torch.manual_seed(13)
-    eagle = EagleDraft.for_target(target, torch.tensor(EAGLE_VOCAB))
+    eagle = EagleDraft.for_target(target, torch.tensor(EAGLE_VOCAB), feature_layers=(0,))  # fused, as shipped
     with torch.no_grad():
         for p in eagle.trained_state().values():
             if p.dim() == 2:
