@@ -299,10 +299,6 @@ class Transformer(nn.Module):
             attn.kv_cache = KVCache(num_slots, max_len + margin, attn.num_kv_heads, attn.head_dim,
                                     self.dtype, self.device)
 
-    def cache_bytes(self) -> int:
-        return sum(l.self_attn.kv_cache.k.numel() * 2 * l.self_attn.kv_cache.k.element_size()
-                   for l in self.layers if l.self_attn.kv_cache is not None)
-
     def rope(self, pos_grid: Tensor) -> tuple[Tensor, Tensor]:
         if self.inv_freq.device != pos_grid.device:
             self.inv_freq = self.inv_freq.to(pos_grid.device)

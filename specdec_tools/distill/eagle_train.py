@@ -291,18 +291,3 @@ class EagleTrainer:
         return {"steps": self.step, "epochs": round(self.epoch + 0.0, 2), "minutes": round(self.elapsed / 60, 2),
                 "tokens_seen": self.tokens_seen, "train_top1": round(self.last.get("top1", 0.0), 4),
                 "train_loss": round(self.last.get("loss", 0.0), 4)}
-
-
-@torch.no_grad()
-def heldout_top1(draft: EagleDraft, cache: FeatureCache, cfg: EagleTrainConfig, max_rows: int = 64) -> float:
-    """First-step agreement with the target's greedy token on held-out rows (teacher-forced)."""
-    rows = list(range(min(max_rows, len(cache.tokens))))
-    if not rows:
-        return float("nan")
-    tot = n = 0.0
-    for group in _batches(cache, rows, cfg.batch_tokens):
-        feats, tokens, mask = _collate(cache, group)
-        _, info = eagle_loss(draft, feats, tokens, mask, cfg, train=False)
-        w = float((mask[:, 1:] & mask[:, :-1]).sum())
-        tot, n = tot + info["top1"] * w, n + w
-    return tot / max(n, 1.0)
