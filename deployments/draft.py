@@ -18,6 +18,7 @@ from deployments.metrics import DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, LoadMet
 from specdec.loader import parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch
 from specdec.proposers import build_proposer
+from specdec.proposers.base import TOP_J
 
 log = logging.getLogger("ray.serve")
 
@@ -36,7 +37,7 @@ class DraftConfig(ModelRuntime, ProposerSettings):
     proposer: Literal["ngram", "draft", "eagle", "hybrid", "self"] = Field("ngram", description="Which proposer the replicas run.")
     target: str | None = Field(None, description="Target checkpoint (proposer='self' uses its first layers).")
     num_slots: int = Field(16, ge=1, description="Draft KV-cache slots per replica.")
-    top_j: int = Field(32, ge=1, description="Sampled rows draw drafts from the top-j truncation of q.")
+    top_j: int = Field(TOP_J, ge=1, description="Sampled rows draw drafts from the top-j truncation of q.")
     ngram_min: int = Field(1, ge=1, description="Shortest n-gram matched by prompt lookup.")
     ngram_max: int = Field(3, ge=1, description="Longest n-gram matched by prompt lookup.")
 

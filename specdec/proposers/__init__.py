@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import TOP_J, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.hybrid import HybridProposer
@@ -44,7 +44,7 @@ def _token_map(model, extra: dict) -> torch.Tensor | None:
 
 @builder("draft")
 def _draft(draft: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
-           max_model_len: int = 2048, top_j: int = 32, **_) -> Proposer:
+           max_model_len: int = 2048, top_j: int = TOP_J, **_) -> Proposer:
     from specdec.eagle_draft import is_eagle
     from specdec.loader import load_model
     if is_eagle(draft):  # an EAGLE checkpoint needs the target's features and weights
@@ -57,7 +57,7 @@ def _draft(draft: str, dtype=torch.float32, device: str = "cpu", num_slots: int 
 
 @builder("eagle")
 def _eagle(draft: str, target: str, dtype=torch.float32, device: str = "cpu", num_slots: int = 8,
-           max_model_len: int = 2048, top_j: int = 32, target_model=None, **_) -> Proposer:
+           max_model_len: int = 2048, top_j: int = TOP_J, target_model=None, **_) -> Proposer:
     from specdec.eagle_draft import load_eagle
     from specdec.loader import load_model
     if target_model is not None:  # in process: share the running target's embedding and head
@@ -77,7 +77,7 @@ def _hybrid(draft: str, hybrid_ngram_min: int = 3, ngram_max: int = 5, **kw) -> 
 
 @builder("self")
 def _self(target: str, self_draft_layers: int = 4, dtype=torch.float32, device: str = "cpu",
-          num_slots: int = 8, max_model_len: int = 2048, top_j: int = 32, target_model=None, **_) -> Proposer:
+          num_slots: int = 8, max_model_len: int = 2048, top_j: int = TOP_J, target_model=None, **_) -> Proposer:
     from specdec.loader import load_model
     model = target_model if target_model is not None else load_model(target, dtype=dtype, device=device)
     return DraftModelProposer(model.first_layers(self_draft_layers), num_slots, max_model_len, top_j=top_j)

@@ -11,6 +11,13 @@ from abc import ABC, abstractmethod
 
 from specdec.metadata import DraftOutput, SpecBatch
 
+# Sampled rows draw each draft from the top-TOP_J truncation of the draft's distribution, so that q
+# crosses processes as [rows, k, TOP_J]. At temperature 1.0 on everyday chat a truncation to 32 cost
+# 0.015 of first-step acceptance, 128 costs 0.005; at 0.7 and on code neither costs anything
+# measurable (bench/draft_topk.py --temperatures, BENCHMARKS.md "How wide the draft's q").
+TOP_J = 128
+
+
 class Proposer(ABC):
     needs_features = False  # True: propose() reads the target's features (SpecBatch.features)
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs lead those features (EAGLE-3 fusion)

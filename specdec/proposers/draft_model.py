@@ -10,7 +10,7 @@ prefills new sequences; steps 2..k feed one token per row.
 A reduced-vocabulary head (FR-Spec, Zhao et al. 2025) gives logits over `token_map` only: the
 draft's q is zero elsewhere and the rejection sampler's residual covers the rest, so it stays
 lossless. Sampled rows draw from the top-`top_j` truncation of the draft distribution; q is then
-exactly that sparse distribution, which keeps what crosses processes small.
+exactly that sparse distribution (`TOP_J`), which keeps what crosses processes small.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from specdec.metadata import U_DRAFT, DraftOutput, SpecBatch
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import TOP_J, Proposer
 from specdec.rejection_sampler import DraftProbs
 from specdec.runner import CacheFullError, SlotTable, run_ragged
 from specdec.sampling import logits_to_probs, sample_from_probs
@@ -28,7 +28,7 @@ from specdec.sampling import logits_to_probs, sample_from_probs
 
 class DraftModelProposer(Proposer):
     def __init__(self, model, num_slots: int, max_model_len: int, token_map: Tensor | None = None,
-                 top_j: int = 32, **_):
+                 top_j: int = TOP_J, **_):
         self.model = model
         model.setup_cache(num_slots, max_model_len)
         self.table = SlotTable(num_slots, max_model_len)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specdec.metadata import SpecBatch
+from specdec.proposers.base import TOP_J
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.runner import run_ragged
 
@@ -54,7 +55,7 @@ class FeatureBuffer:
 class EagleProposer(DraftModelProposer):
     needs_features = True
 
-    def __init__(self, model, num_slots: int, max_model_len: int, top_j: int = 32, **_):
+    def __init__(self, model, num_slots: int, max_model_len: int, top_j: int = TOP_J, **_):
         super().__init__(model, num_slots, max_model_len, model.token_map, top_j)
         self.feature_layers = model.feature_layers
         self.buffers: dict[int, FeatureBuffer] = {}
