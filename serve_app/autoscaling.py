@@ -25,9 +25,9 @@ context's capacity-adjusted min/max.
 Ray 2.60 (ray/serve/_private/autoscaling_state.py) instantiates a policy class once as
 `Class(**policy_kwargs)` (any `AutoscalingParams` field) and calls the instance every tick
 (~0.1 s): a deployment policy as `policy(ctx) -> (num_replicas, policy_state)`, an application
-policy as `policy({id: ctx}) -> ({id: num_replicas}, {id: state})`. The lower-case names
-(`router_policy`, `target_policy`, `draft_policy`, `app_policy`) are instances with the default
-params, for config files without kwargs. Our state lives under "specdec." keys beside Ray's.
+policy as `policy({id: ctx}) -> ({id: num_replicas}, {id: state})`. Config files name the classes
+(`serve_app.autoscaling:AppPolicy`): Ray hands `policy_kwargs` only to a class, and would ignore
+them silently beside an instance. Our state lives under "specdec." keys beside Ray's.
 Ray's own upscale/downscale delays stack with ours: keep them short. `DEFAULT_PARAMS` reads
 `SPECDEC_AUTOSCALING_<FIELD>` once, in the process that pickles the policy (Ray pickles this
 module by value).
@@ -366,8 +366,6 @@ def _app_decisions(contexts: dict[Any, "AutoscalingContext"], p: AutoscalingPara
     return decisions, states
 
 
-router_policy, target_policy, draft_policy, app_policy = RouterPolicy(), TargetPolicy(), DraftPolicy(), AppPolicy()
-
 
 # ---------------------------------------------------------------------------------------------
 # config helpers for the builder
@@ -395,8 +393,3 @@ def autoscaling_config(role: str, *, min_replicas: int = 1, max_replicas: int = 
               "downscale_delay_s": 5.0, **overrides}
     return AutoscalingConfig(policy=policy, **fields)
 
-
-def app_autoscaling_policy(**policy_kwargs: Any) -> dict[str, Any]:
-    """The `autoscaling_policy` entry of a Serve config application running `AppPolicy`."""
-    AppPolicy(**policy_kwargs)  # fail early on typos
-    return {"policy_function": f"{__name__}:AppPolicy", "policy_kwargs": policy_kwargs}

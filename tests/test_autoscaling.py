@@ -5,6 +5,7 @@ decision at once and carries policy_state and last_scale_up_time forward as Ray 
 """
 from __future__ import annotations
 
+import inspect
 import math
 import pickle
 
@@ -297,10 +298,10 @@ def test_app_policy_draft_floor_only_while_serving():
 # --- Ray 2.60 integration (config validation, class policies, Ray's wrappers) ----------------------
 
 def test_autoscaling_config_accepts_policy_import_paths():
-    cfg = AutoscalingConfig(policy=AutoscalingPolicy(policy_function="serve_app.autoscaling:target_policy"))
-    assert cfg.policy.policy_function == "serve_app.autoscaling:target_policy"
+    cfg = AutoscalingConfig(policy=AutoscalingPolicy(policy_function="serve_app.autoscaling:TargetPolicy"))
+    assert cfg.policy.policy_function == "serve_app.autoscaling:TargetPolicy"
     assert not cfg.policy.is_default_policy_function()
-    policy = cfg.policy.get_policy()  # cloudpickled by value, as the controller receives it
+    policy = cfg.policy.get_policy()(**cfg.policy.policy_kwargs)  # cloudpickled by value, as the controller receives it
     ctx = make_ctx("Target", replicas=1, totals={A.TARGET_TOKENS_PER_S: 1000}, max_replicas=3)
     assert policy(ctx)[0] == 3
 
@@ -330,25 +331,27 @@ def test_autoscaling_config_for_deployment_names():
         A.autoscaling_config("Tokenizer")
     with pytest.raises(ValueError):  # typo caught when building the app
         A.autoscaling_config("Target", policy_kwargs={"target_tokens_per_sec": 9.0})
-    with pytest.raises(ValueError):
-        A.app_autoscaling_policy(target_tokens_per_sec=9.0)
+    with pytest.raises(ValueError):  # Ray builds AppPolicy(**policy_kwargs): a typo fails there too
+        A.AppPolicy(target_tokens_per_sec=9.0)
 
 
 def test_app_level_policy_in_serve_config_schema():
+    """serve_config.yaml's application-level policy, with kwargs, as Serve's controller builds it."""
+    import pathlib
+
+    import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    app_cfg = {
-        "name": "specdec", "import_path": "serve_app:app",
-        "autoscaling_policy": A.app_autoscaling_policy(target_tokens_per_s=120.0),
-        "deployments": [{"name": n, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
-                        for n in ("Router", "Target", "Draft")],
-    }
-    schema = ServeDeploySchema(applications=[app_cfg])
-    declared = schema.applications[0].autoscaling_policy
+    cfg = yaml.safe_load((pathlib.Path(__file__).parents[1] / "serve_config.yaml").read_text())
+    (app_cfg,) = cfg["applications"]
+    app_cfg["autoscaling_policy"] = {**app_cfg["autoscaling_policy"], "policy_kwargs": {"target_tokens_per_s": 120.0}}
+    declared = ServeDeploySchema.model_validate(cfg).applications[0].autoscaling_policy
     assert declared["policy_function"] == "serve_app.autoscaling:AppPolicy"
     policy = AutoscalingPolicy(**declared)  # what the controller builds from the config
-    instance = policy.get_policy()(**policy.policy_kwargs)
-    assert instance.params.target_tokens_per_s == 120.0
+    instance = policy.get_policy()(**policy.policy_kwargs)  # Ray: a class gets the kwargs
+    assert isinstance(instance, A.AppPolicy) and instance.params.target_tokens_per_s == 120.0
+    for d in cfg["applications"][0]["deployments"]:  # classes too, so that policy_kwargs would apply
+        assert inspect.isclass(AutoscalingConfig(**d["autoscaling_config"]).policy.get_policy()), d["name"]
 
 
 def test_policies_compose_with_rays_wrappers(monkeypatch):

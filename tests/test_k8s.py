@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -323,11 +324,12 @@ def test_import_paths_and_policies_import(name, rs, app):
     builder = import_attr(app["import_path"])
     assert callable(builder), app["import_path"]
     # Parsing the autoscaling config imports (and pickles) the policy, as Serve does on deploy.
+    # Classes: Ray instantiates a class with policy_kwargs and ignores the kwargs of anything else.
     app_policy = AutoscalingPolicy(**app["autoscaling_policy"])
-    assert callable(import_attr(app_policy.policy_function))
+    assert inspect.isclass(import_attr(app_policy.policy_function))
     for d in app["deployments"]:
         ac = AutoscalingConfig(**d["autoscaling_config"])
-        assert callable(import_attr(ac.policy.policy_function)), d["name"]
+        assert inspect.isclass(import_attr(ac.policy.policy_function)), d["name"]
         assert not ac.policy.is_default_policy_function(), d["name"]
 
 
