@@ -18,9 +18,11 @@ only if a position's logits do not depend on how many positions share the forwar
 plain step, k+1 in a verification). In bfloat16 on CPU they do, by up to ~0.7 logits, which flips
 near-ties: SDPA's CPU kernel rounds a query row differently with one and with several queries,
 and matmul kernels pick their blocking by the row count (measured: bench/bf16_invariance.py).
-`Transformer.position_invariant` (default: on for bfloat16/float16) removes both: attention as two
+`Transformer.position_invariant` (default: on for bfloat16/float16) removes both: attention as
 float32 matmuls with a float32 softmax, the query heads of a key/value head stacked into one matrix padded
-to a constant multiple of rows (`ATTN_ROWS`), and a lone one-token step (batch 1, T = 1) padded to
+to a constant multiple of rows (`ATTN_ROWS`), the weighted sum over keys taken in chunks of a constant
+`ATTN_KEYS` keys added in order (a matmul's own reduction over a longer key axis adds in another order
+when masked keys follow a query's last one), and a lone one-token step (batch 1, T = 1) padded to
 two positions (the dummy's key/value land one position ahead, are never attended, and are
 overwritten by the next token). With it a position's logits are bit-identical for 1 to 8 positions
 per forward and for several batch sizes (tests/test_model.py).
@@ -115,14 +117,15 @@ class BatchIndex:
 
     @classmethod
     def build(cls, slots: Tensor, starts: Tensor, T: int, exact: bool = False,
-              sibling: Tensor | None = None) -> "BatchIndex":
+              sibling: Tensor | None = None, align: int = 1) -> "BatchIndex":
         """sibling [B, 2]: (index s within the row's T tokens, chain length k) of a row's sibling of
         its first draft, or s = -1. The sibling is written to the cache after the chain (index s)
-        but sits at the first draft's position (starts + s - k) and does not see the chain's k keys."""
+        but sits at the first draft's position (starts + s - k) and does not see the chain's k keys.
+        align: keys read per row rounded up to a multiple of this (masked; the cache's margin holds them)."""
         device = slots.device
         offs = torch.arange(T, device=device)
         pos_grid = starts[:, None] + offs[None, :]  # [B, T]
-        kv_len = int(starts.max().item()) + T
+        kv_len = -(-(int(starts.max().item()) + T) // align) * align
         keys = torch.arange(kv_len, device=device)
         mask = keys[None, None, :] <= pos_grid[:, :, None]  # [B, T, kv_len]
         rope_grid = None
@@ -199,6 +202,7 @@ class Attention(nn.Module):
 
 
 ATTN_ROWS = 16  # query rows per key/value head in position-invariant attention (padded up to a multiple)
+ATTN_KEYS = 64  # keys per chunk of its weighted sum (the keys padded up to a multiple)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -213,7 +217,10 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     k/v), padded to a multiple of ATTN_ROWS: CPU matmul kernels pick their blocking by the row
     count, so a constant row count keeps a row's result the same for a plain step and a
     verification. Scores, softmax and the weighted sum are float32 (bf16 scores lost accuracy,
-    tests/test_demo.py)."""
+    tests/test_demo.py). The weighted sum runs over chunks of ATTN_KEYS keys, one fixed-size matmul
+    each, added in order: a row's sum then does not depend on how many masked keys follow its last
+    one (a plain step reads fewer keys than a verification of the same position; one matmul over all
+    keys changed the sum in its last bit for ~5% of rows, and greedy outputs at 256 tokens)."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     rep = H // Hkv
@@ -226,9 +233,10 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     scores = scores.view(B, Hkv, rep, T, L) * D ** -0.5
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, Hkv, M, L)
-    if rows != M:
-        p = torch.cat([p, p.new_zeros(B, Hkv, rows - M, L)], dim=2)
-    out = torch.matmul(p, v.float())[:, :, :M]  # [B, Hkv, rep*T, D]
+    n, pad = -(-L // ATTN_KEYS), -L % ATTN_KEYS  # chunks of keys (the cache reads whole ones: no pad)
+    p = F.pad(p, (0, pad, 0, rows - M)).view(B, Hkv, rows, n, ATTN_KEYS)  # zero rows, zero keys
+    v = F.pad(v.float(), (0, 0, 0, pad)).view(B, Hkv, n, ATTN_KEYS, D)  # [B, Hkv, n, C, D]
+    out = torch.matmul(p.transpose(2, 3), v).sum(2)[:, :, :M]  # [B, Hkv, n, rows, D] -> [B, Hkv, rep*T, D]
     return out.reshape(B, H, T, D).to(q.dtype)
 
 
@@ -291,8 +299,9 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def setup_cache(self, num_slots: int, max_len: int, margin: int = 16) -> None:
-        """Preallocate the KV cache: `num_slots` sequences of up to `max_len` positions."""
+    def setup_cache(self, num_slots: int, max_len: int, margin: int = 16 + ATTN_KEYS) -> None:
+        """Preallocate the KV cache: `num_slots` sequences of up to `max_len` positions (the margin:
+        ragged rows' padding, and position-invariant attention reading whole chunks of keys)."""
         self.num_slots, self.max_len = num_slots, max_len
         for layer in self.layers:
             attn = layer.self_attn
@@ -317,7 +326,8 @@ class Transformer(nn.Module):
         lone = exact and tokens.numel() == 1  # a one-row matmul takes another kernel: add a dummy position
         if lone:
             tokens = tokens.expand(1, 2)
-        rows = BatchIndex.build(slots, starts, tokens.shape[1], exact, sibling)
+        rows = BatchIndex.build(slots, starts, tokens.shape[1], exact, sibling,
+                                align=ATTN_KEYS if exact and self.layers[0].self_attn.kv_cache is not None else 1)
         cos, sin = self.rope(rows.pos_grid if rows.rope_grid is None else rows.rope_grid)
         x = self.embed_tokens(tokens)
         tapped = []
