@@ -23,11 +23,12 @@ def demo_prompts(demo_tok):
     return [encode_chat(demo_tok, [{"role": "user", "content": q}]) for q in QUESTIONS] + [demo_tok(CODE).input_ids]
 
 
-def _run(model, tok, prompts, proposer, k, n=32):
+def _run(model, tok, prompts, proposer, k, n=32, ignore_eos=False):
     eng = LLMEngine(TargetWorker(model, 4, 1024), proposer, tok,
                     EngineConfig(max_batch_size=4, num_speculative_tokens=k, adaptive=False,
                                  speculate=proposer is not None))
-    return [s.output_ids for s in eng.generate(prompts, SamplingParams(max_tokens=n, temperature=0))], eng.stats
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos)
+    return [s.output_ids for s in eng.generate(prompts, params)], eng.stats
 
 
 def test_demo_answers_paris(demo_model, demo_tok, demo_prompts):
@@ -55,6 +56,16 @@ def test_demo_bf16_greedy_identity(demo_dir, demo_tok, demo_prompts):
     ref, _ = _run(model, demo_tok, demo_prompts, None, 0, n=48)
     spec, st = _run(model, demo_tok, demo_prompts, NgramProposer(), 3, n=48)
     assert spec == ref and st.proposed > 0
+
+
+def test_demo_bf16_greedy_identity_past_256_tokens(demo_dir, demo_tok, demo_prompts):
+    """The same over 288 tokens per answer (a batch of 4): past ~250 positions a plain step and a
+    verification once summed a query's weighted values in different orders (the keys after it,
+    masked, differ in number), and speculative answers left plain decoding's."""
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    ref, _ = _run(model, demo_tok, demo_prompts, None, 0, n=288, ignore_eos=True)
+    spec, st = _run(model, demo_tok, demo_prompts, NgramProposer(), 3, n=288, ignore_eos=True)
+    assert spec == ref and st.accepted > 0
 
 
 def test_demo_bf16_prompt_lookup_is_plain_greedy(demo_dir, demo_tok, demo_prompts):
