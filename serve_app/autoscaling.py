@@ -366,7 +366,6 @@ def _app_decisions(contexts: dict[Any, "AutoscalingContext"], p: AutoscalingPara
     return decisions, states
 
 
-
 # ---------------------------------------------------------------------------------------------
 # config helpers for the builder
 # ---------------------------------------------------------------------------------------------
