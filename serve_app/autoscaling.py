@@ -391,4 +391,3 @@ def autoscaling_config(role: str, *, min_replicas: int = 1, max_replicas: int = 
     fields = {"min_replicas": min_replicas, "max_replicas": max_replicas, "upscale_delay_s": 2.0,
               "downscale_delay_s": 5.0, **overrides}
     return AutoscalingConfig(policy=policy, **fields)
-
