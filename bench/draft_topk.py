@@ -99,9 +99,10 @@ def sampled_overlap(a, sets, first_steps, token_map):
                 for p in range(n_prompt - 1, len(x) - 2):
                     p_target = torch.softmax(logits[p + 1] / t, -1)  # [V]
                     q_draft = torch.softmax(d_logits[p] / t, -1)  # [V_draft]
+                    vals, ids = q_draft.topk(min(max(widths), len(q_draft)))  # sorted: each width a prefix
                     for j, width in enumerate(widths):
-                        vals, ids = q_draft.topk(min(width, len(q_draft)))
-                        acc[j] += torch.minimum(p_target[token_map[ids]], vals / vals.sum()).sum()
+                        v = vals[:width]
+                        acc[j] += torch.minimum(p_target[token_map[ids[:width]]], v / v.sum()).sum()
                     n += 1
             rows.append((t, name, len(questions), *(acc / max(1, n)).tolist(), n))
     print(f"\nexpected first-step acceptance of {a.draft}'s sampled drafts against {a.target}, by q's width J "
