@@ -3,7 +3,7 @@
     python bench/http_bench.py                       # starts the demo pair on a local Ray cluster
     python bench/http_bench.py --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct
 
-Streaming chat requests (greedy, fixed max_tokens, ignore_eos) at each concurrency level, with the
+Streaming chat requests (greedy; fixed max_tokens with ignore_eos, or --stop-at-eos) at each concurrency level, with the
 server's adaptive speculation and with `num_speculative_tokens: 0`, alternating wave by wave (a
 wave: one request per client slot) so that a drifting machine speed falls on both modes alike. Prints tokens/s,
 time to first token, inter-token latency (p50), the acceptance rate from the router's /stats, and
@@ -45,12 +45,33 @@ CODING = ["Write a Python function that checks whether a number is prime.",
           "Show how to read a CSV file with pandas and print the first rows.",
           "Write a bash script that renames all .txt files in a folder to .md.",
           "Write a Python function that returns the n-th Fibonacci number iteratively."]
-PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING}
+# Everyday tasks of other kinds (writing, lists, rewriting, plans, arithmetic), added later to check
+# the figures above on requests that no setting was chosen on.
+TASKS = ["Write a short, friendly email asking my landlord to fix a leaking tap.",
+         "Give me five ideas for a birthday party for a ten-year-old.",
+         "Summarize the plot of Romeo and Juliet in a few sentences.",
+         "What are the pros and cons of working from home?", "Explain to a child how rain forms.",
+         "Rewrite this sentence to sound more formal: we can't make it to the meeting, sorry.",
+         "List some healthy snacks I can take to work.", "How do I change a flat tyre on a car?",
+         "Write a haiku about the sea.", "What is the difference between a virus and a bacterium?",
+         "Plan a three-day trip to Rome for a first-time visitor.",
+         "A train travels 120 km in 1.5 hours. What is its average speed? Explain.",
+         "How can I improve my public speaking?",
+         "Translate 'Where is the train station?' into French and Spanish.",
+         "Describe the water cycle step by step.", "What are good habits for keeping a clean kitchen?"]
+PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS}
+
+STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 
 
 async def one(client, url, model, q, max_tokens, spec: bool, temperature: float = 0.0):
+    """One streamed request: (start, arrival time of each content chunk, completion tokens).
+
+    With STOP_AT_EOS the answer ends where the model ends it (or at max_tokens) and the count comes
+    from the usage chunk; otherwise it runs to max_tokens (ignore_eos)."""
     body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "ignore_eos": True}
+            "temperature": temperature, "stream": True}
+    body.update({"stream_options": {"include_usage": True}} if STOP_AT_EOS else {"ignore_eos": True})
     if spec is not True:  # False: speculation off; an int: that many drafts per round (pinned)
         body["num_speculative_tokens"] = int(spec)
     t0 = time.perf_counter()
@@ -61,6 +82,8 @@ async def one(client, url, model, q, max_tokens, spec: bool, temperature: float 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                max_tokens = chunk["usage"]["completion_tokens"]
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 times.append(time.perf_counter())
                 text.append(chunk["choices"][0]["delta"]["content"])
@@ -125,10 +148,11 @@ def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: in
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
     rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time
     t0 = time.perf_counter()
-    eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
+    seqs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                ignore_eos=not STOP_AT_EOS))
     wall = time.perf_counter() - t0
     n = max(1, eng.stats.rounds - rounds0)
-    return {"tps": n_prompts * max_tokens / wall, "target_ms": (eng.stats.target_time - target0) / n * 1e3,
+    return {"tps": sum(s.num_output for s in seqs) / wall, "target_ms": (eng.stats.target_time - target0) / n * 1e3,
             "round_ms": (eng.stats.round_time - round0) / n * 1e3}
 
 
@@ -179,9 +203,14 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="requests per mode before measuring (a fresh "
                     "router's first rounds calibrate the adaptive cost model; 0: measure them too)")
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--stop-at-eos", action="store_true", help="answers end where the model ends them (at most "
+                    "--max-tokens), as a user's do; tokens/s counts the usage chunk's completion tokens "
+                    "(greedy answers are the same in both modes). Default: exactly --max-tokens (ignore_eos)")
     ap.add_argument("--app-args", default="{}", help="JSON: extra AppArgs for the local app (e.g. "
                     '\'{"lookup_k": 0}\')')
     a = ap.parse_args(argv)
+    global STOP_AT_EOS
+    STOP_AT_EOS = a.stop_at_eos
     if a.dtype == "auto":
         from specdec.loader import fast_dtype
         a.dtype = fast_dtype()
@@ -219,7 +248,7 @@ def main(argv=None):
                                        temperature=a.temperature, questions=PROMPT_SETS[a.prompts])
     how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
     print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat ({a.prompts} questions), "
-          f"{a.max_tokens} tokens, {a.dtype}")
+          f"{'up to ' if a.stop_at_eos else ''}{a.max_tokens} tokens, {a.dtype}")
     print(f"app args: {args}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
           "lookup tokens/token | round ms (draft / target / other) | spec/off |")

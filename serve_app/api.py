@@ -281,7 +281,7 @@ class OpenAIIngress:
         try:
             async for _ in self._watch(seqs):
                 pass
-            usage = self._usage(seqs, prompts, speculative=True)
+            usage = self._usage(seqs, prompts)
             span.set_attribute("completion_tokens", usage.completion_tokens)
             return JSONResponse(wire(out.response([s.text for s in seqs], [_finish(s) for s in seqs], usage)))
         finally:
@@ -309,7 +309,7 @@ class OpenAIIngress:
                 yield SSE_DONE
                 return
             if req.include_usage:
-                yield sse(out.usage_chunk(self._usage(seqs, prompts, speculative=False)))
+                yield sse(out.usage_chunk(self._usage(seqs, prompts)))  # (the chunk drops the extension)
             yield SSE_DONE
         finally:  # also on client disconnect (the generator is cancelled)
             self._end(seqs, span)
@@ -332,10 +332,7 @@ class OpenAIIngress:
             for t in pending:
                 t.cancel()
 
-    def _usage(self, seqs: list[Sequence], prompts: list[list[int]], speculative: bool) -> CompletionUsage:
-        completion = sum(s.num_output for s in seqs)
-        prompt = sum(len(p) for p in prompts)
+    def _usage(self, seqs: list[Sequence], prompts: list[list[int]]) -> CompletionUsage:
         spec = SpeculativeUsage(proposed_tokens=sum(s.proposed for s in seqs),
-                                accepted_tokens=sum(s.accepted for s in seqs),
-                                rounds=sum(s.rounds for s in seqs)) if speculative else None
-        return usage(prompt, completion, speculative=spec)
+                                accepted_tokens=sum(s.accepted for s in seqs), rounds=sum(s.rounds for s in seqs))
+        return usage(sum(len(p) for p in prompts), sum(s.num_output for s in seqs), speculative=spec)

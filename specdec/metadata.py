@@ -34,10 +34,11 @@ class SpecBatch(Wire):
     temperature: Tensor  # [B] float32, 0 = greedy
     top_k: Tensor  # [B] long, 0 = off
     top_p: Tensor  # [B] float32
-    uniforms: Tensor  # [B, 3, K+1] float64, see U_* above; [B, 3, max(steps)] for a multi-step round
+    uniforms: Tensor  # [B, 3, K+1] float64, see U_* above; a multi-step round: [B, 3, W], column j
+    # drawing the row's j-th token of the round (W: the most tokens a row may emit in it)
     release: list[int] = field(default_factory=list)  # sequences to forget before this round
     # Multi-step plain round (no row drafts): row i runs up to steps[i] forwards in this one call
-    # (one token each, more with `lookup`), step j drawing with uniforms[i, :, j], and stops early
+    # (one token each, more with `lookup`), its j-th token drawing with uniforms[i, :, j], and stops early
     # at a token of stop_ids[i]; the same tokens as separate plain rounds, one call's hops for all
     steps: list[int] | None = None
     stop_ids: list[list[int]] | None = None

@@ -15,7 +15,9 @@ Words used everywhere in this project (and only in these senses):
   **mean accepted length** is (accepted + 1) averaged over rounds (see `stats.SpecStats`).
 
 Greedy rows (temperature 0) accept while draft == argmax(target) and then emit the argmax.
-A draft without probabilities (n-gram) has a one-hot q. A draft with a reduced vocabulary has q
+A draft without probabilities (n-gram) has a one-hot q. Prompt lookup inside multi-step plain
+rounds is checked by `coupled_verify` instead: the target's own draws, one uniform per position,
+so that its sampled output is plain decoding's token for token. A draft with a reduced vocabulary has q
 zero outside it; the residual max(0, p - q) then still covers every token the target can emit.
 """
 from __future__ import annotations
@@ -92,16 +94,39 @@ def random_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor,
     return n_acc, final
 
 
+def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor,
+                   u_sample: Tensor) -> tuple[Tensor, Tensor]:
+    """Deterministic drafts (prompt lookup) checked against the target's own draws: at every
+    position the target draws its token by inverse CDF with that position's uniform, exactly as a
+    plain step would, and a draft is accepted while it equals the draw. The tokens emitted are
+    therefore the plain path's for the same uniforms, token for token (so their distribution is
+    the target's), and draft x is accepted with probability p(x), as `random_verify` with a
+    one-hot q would. Needs one uniform per *position* of the sequence, never reused.
+
+    target_probs [B, K+1, V], draft_tokens [B, K], num_draft [B], u_sample [B, K+1]
+    -> (num_accepted [B], final token [B]: the draw at the first mismatch, or the bonus)."""
+    B, K = draft_tokens.shape
+    draws = sample_from_probs(target_probs.reshape(B * (K + 1), -1), u_sample[:, : K + 1].reshape(-1))
+    draws = draws.view(B, K + 1)  # [B, K+1]: what plain decoding draws at each position
+    valid = torch.arange(K, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    n_acc = accepted_prefix((draft_tokens == draws[:, :K]) & valid)
+    return n_acc, draws.gather(1, n_acc[:, None]).squeeze(1)
+
+
 def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor,
                      draft_probs: DraftProbs | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                     uniforms: Tensor) -> tuple[Tensor, Tensor]:
+                     uniforms: Tensor, coupled: bool = False) -> tuple[Tensor, Tensor]:
     """Verify one batched round.
 
     target_logits [B, K+1, V]; draft_tokens [B, K] (rows padded past num_draft [B]);
     draft_probs: sparse q or None (then q is one-hot on the draft tokens);
-    temperature/top_k/top_p [B]; uniforms [B, 2, K+1] (accept tests, recovered/bonus draws).
+    temperature/top_k/top_p [B]; uniforms [B, 2, K+1] (accept tests, recovered/bonus draws);
+    coupled: sampled rows check their (deterministic) drafts with `coupled_verify`, where
+    uniforms[:, 1, j] belongs to the j-th position (no accept tests are drawn).
     Returns (output_tokens [B, K+1] with -1 after each row's end, num_accepted [B]).
     """
+    if coupled and draft_probs is not None:
+        raise ValueError("coupled verification checks deterministic drafts: no draft probabilities")
     B, K1, V = target_logits.shape
     K = K1 - 1
     greedy = temperature == 0
@@ -110,11 +135,14 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Ten
         r = (~greedy).nonzero().squeeze(1)  # rows that sample
         p = logits_to_probs(target_logits[r].reshape(-1, V), temperature[r].repeat_interleave(K1),
                             top_k[r].repeat_interleave(K1), top_p[r].repeat_interleave(K1)).view(-1, K1, V)
-        if draft_probs is None:
-            q = torch.zeros(len(r), K, V, device=p.device).scatter_(2, draft_tokens[r, :, None], 1.0)
+        if coupled:
+            n_r, f_r = coupled_verify(p, draft_tokens[r], num_draft[r], uniforms[r, 1])
         else:
-            q = DraftProbs(draft_probs.ids[r], draft_probs.vals[r]).dense(V)
-        n_r, f_r = random_verify(p, draft_tokens[r], num_draft[r], q, uniforms[r, 0], uniforms[r, 1])
+            if draft_probs is None:
+                q = torch.zeros(len(r), K, V, device=p.device).scatter_(2, draft_tokens[r, :, None], 1.0)
+            else:
+                q = DraftProbs(draft_probs.ids[r], draft_probs.vals[r]).dense(V)
+            n_r, f_r = random_verify(p, draft_tokens[r], num_draft[r], q, uniforms[r, 0], uniforms[r, 1])
         n_acc, final = n_acc.clone(), final.clone()
         n_acc[r], final[r] = n_r, f_r
     pos = torch.arange(K1, device=target_logits.device)[None, :]  # [1, K+1]

@@ -101,15 +101,30 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     return idx
 
 
+def _stream(base_seed: int, position: int, k: int, n: int) -> bytes:
+    """n 64-bit words of the SHAKE-128 stream keyed by all bits of (seed, position, k)."""
+    nbytes = max(8, (base_seed.bit_length() + 8) // 8 + 1)
+    key = base_seed.to_bytes(nbytes, "little", signed=True) + position.to_bytes(8, "little") + k.to_bytes(2, "little")
+    return hashlib.shake_128(key).digest(8 * n)
+
+
+def _to_unit(raw: bytes) -> torch.Tensor:
+    """53-bit floats in [0, 1) from 64-bit words."""
+    words = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    mantissa = (words >> 11) & ((1 << 53) - 1)  # top 53 bits of each word (>> is arithmetic: mask)
+    return mantissa.double() * 2.0 ** -53
+
+
 def round_uniforms(base_seed: int, position: int, k: int) -> torch.Tensor:
     """Uniforms [3, k+1] in [0, 1) for the round that starts at `position` of a sequence seeded
     `base_seed`: 53-bit floats from a SHAKE-128 stream keyed by all bits of (seed, position, k)."""
-    n = 3 * (k + 1)
-    nbytes = max(8, (base_seed.bit_length() + 8) // 8 + 1)
-    key = base_seed.to_bytes(nbytes, "little", signed=True) + position.to_bytes(8, "little") + k.to_bytes(2, "little")
-    raw = torch.frombuffer(bytearray(hashlib.shake_128(key).digest(8 * n)), dtype=torch.int64)  # [n]
-    mantissa = (raw >> 11) & ((1 << 53) - 1)  # top 53 bits of each word (>> is arithmetic: mask)
-    return (mantissa.double() * 2.0 ** -53).view(3, k + 1)
+    return _to_unit(_stream(base_seed, position, k, 3 * (k + 1))).view(3, k + 1)
+
+
+def position_uniforms(base_seed: int, start: int, n: int) -> torch.Tensor:
+    """Uniforms [3, n]: column j holds the draws of one plain token at position start + j, i.e.
+    `round_uniforms(base_seed, start + j, 0)[:, 0]` (multi-step plain rounds)."""
+    return _to_unit(b"".join(_stream(base_seed, start + j, 0, 3) for j in range(n))).view(n, 3).T
 
 
 def new_base_seed(seed: int | None) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from specdec.adaptive import AdaptiveConfig, AdaptiveK, CostModel
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
-from specdec.sampling import round_uniforms
+from specdec.sampling import position_uniforms, round_uniforms
 from specdec.sequence import Sequence
 from specdec.stats import SpecStats
 
@@ -36,7 +36,7 @@ class SchedulerConfig:
     # as that many plain rounds
     siblings_max_batch: int = 0  # rounds of at most this many rows verify, beside each greedy
     # row's chain, a sibling of its first draft (SpecBatch.siblings); 0: chains only
-    lookup_k: int = 0  # multi-step plain rounds of at most `lookup_max_batch` rows: greedy rows
+    lookup_k: int = 0  # multi-step plain rounds of at most `lookup_max_batch` rows: every row may
     lookup_max_batch: int = 0  # verify up to lookup_k prompt-lookup tokens per step (SpecBatch.lookup)
     ngram_k: int = 0  # speculative rounds of at most `lookup_max_batch` rows: a greedy row's drafts
     # found by prompt lookup may run this long (SpecBatch.ngram_k; they cost no draft forward)
@@ -160,13 +160,16 @@ class Scheduler:
         self.plain_run = 0 if K else self.plain_run + 1
         steps = self._plain_steps(seqs, prefill) if K == 0 else None
         ngram_k = [self._ngram_k(s, k) for s, k in zip(seqs, ks)] if K and B <= self.cfg.lookup_max_batch else None
-        uniforms = torch.zeros(len(seqs), 3, max(steps or [max(ngram_k or [K]) + 1]), dtype=torch.float64)
+        lookup = [self._lookup_k(s) for s in seqs] if steps and B <= self.cfg.lookup_max_batch else None
+        # a multi-step round's row emits up to steps * (1 + lookup) tokens, each drawing as a plain round would
+        draws = [min(s.remaining, n * (1 + (lookup[i] if lookup else 0))) for i, (s, n) in enumerate(zip(seqs, steps))] \
+            if steps else None
+        uniforms = torch.zeros(len(seqs), 3, max(draws or [max(ngram_k or [K]) + 1]), dtype=torch.float64)
         for i, (s, k) in enumerate(zip(seqs, ks)):
             if s.params.greedy:
                 continue
-            if steps:  # step j draws as the plain round at position len + j would
-                for j in range(steps[i]):
-                    uniforms[i, :, j] = round_uniforms(s.base_seed, len(s.tokens) + j, 0)[:, 0]
+            if steps:  # the row's j-th token of the round draws as the plain round at position len + j would
+                uniforms[i, :, : draws[i]] = position_uniforms(s.base_seed, len(s.tokens), draws[i])
             else:  # keyed by (seed, position): independent of batch and retries
                 uniforms[i, :, : k + 1] = round_uniforms(s.base_seed, len(s.tokens), k)
         batch = SpecBatch(
@@ -182,7 +185,7 @@ class Scheduler:
             # the draft's features: only when it is called (K > 0); they stay queued meanwhile
             features=[s.pending_features() for s in seqs] if self.cfg.features and K > 0 else None,
             steps=steps,
-            lookup=[self._lookup_k(s) for s in seqs] if steps and B <= self.cfg.lookup_max_batch else None,
+            lookup=lookup,
             budget=[s.remaining for s in seqs] if steps else None,
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
             siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
@@ -217,9 +220,9 @@ class Scheduler:
         return limit if req is None else min(req, limit)
 
     def _lookup_k(self, seq: Sequence) -> int:
-        """Prompt-lookup tokens a row may verify per step of a multi-step plain round: greedy rows
-        of a speculating scheduler, capped by the request (`_request_cap`)."""
-        if not (self.cfg.speculate and seq.params.greedy):
+        """Prompt-lookup tokens a row may verify per step of a multi-step plain round (greedy and
+        sampled rows) of a speculating scheduler, capped by the request (`_request_cap`)."""
+        if not self.cfg.speculate:
             return 0
         return self._request_cap(seq, self.cfg.lookup_k)
 

@@ -75,11 +75,12 @@ class TargetWorker:
 
     def _multi_step(self, batch: SpecBatch, rows: list[int], states: list, out: VerifyOutput) -> None:
         """A multi-step plain round: row i runs `steps[i]` forwards, fewer after a stop token. With
-        `batch.lookup`, each forward of a greedy row also verifies up to lookup[i] tokens found by
-        prompt lookup in its own context (Saxena 2023): more than one token per forward where the
-        text repeats itself (at most budget[i] in the round), the same tokens as plain greedy
-        decoding, and no proposer call. Sampled rows emit one token per forward, the j-th drawn
-        with the uniforms of column j, as plain rounds would."""
+        `batch.lookup`, each forward of a row also verifies up to lookup[i] tokens found by prompt
+        lookup in its own context (Saxena 2023): more than one token per forward where the text
+        repeats itself (at most budget[i] in the round), and no proposer call. The row's e-th token
+        of the round is drawn with the uniforms of column e (its position's, as a plain round
+        would), and lookups are checked against those draws (`coupled_verify`; argmax for greedy
+        rows): the tokens are plain decoding's, greedy or sampled, token for token."""
         go, j = list(zip(rows, states)), 0
         while go:
             drafts = [self._lookup(batch, i, st, len(out.tokens[i])) for i, st in go]
@@ -88,9 +89,12 @@ class TargetWorker:
             for r, d in enumerate(drafts):
                 tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
             u = torch.zeros(len(go), 2, K + 1, dtype=batch.uniforms.dtype)  # [b, 2, K+1]
-            u[:, :, 0] = batch.uniforms[torch.tensor([i for i, _ in go])][:, 1:, j]
+            for r, (i, _) in enumerate(go):
+                cols = self._draws(batch, i, len(out.tokens[i]), K + 1)
+                u[r, :, : cols.shape[1]] = cols
             before = sum(out.num_accepted)
-            self._pass(batch, [i for i, _ in go], [st for _, st in go], drafts, tokens, None, K, u, out)
+            self._pass(batch, [i for i, _ in go], [st for _, st in go], drafts, tokens, None, K, u, out,
+                       coupled=True)
             out.lookup_proposed += sum(map(len, drafts))
             out.lookup_accepted += sum(out.num_accepted) - before
             j += 1
@@ -99,12 +103,18 @@ class TargetWorker:
         out.steps = j
 
     def _lookup(self, batch: SpecBatch, i: int, st, emitted: int) -> list[int]:
-        """Prompt-lookup drafts for row i of a multi-step round (up to `batch.lookup[i]`: greedy
-        rows only), within what the row may still emit this round and its cache's room."""
+        """Prompt-lookup drafts for row i of a multi-step round (up to `batch.lookup[i]`), within
+        what the row may still emit this round and its cache's room."""
         if not batch.lookup or not batch.lookup[i]:
             return []
         room = min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
         return ngram_lookup(st.tokens, room, *LOOKUP_NGRAM) if room > 0 else []
+
+    @staticmethod
+    def _draws(batch: SpecBatch, i: int, e: int, n: int) -> torch.Tensor:
+        """[2, <= n]: accept tests and draws of row i's tokens e .. e+n-1 of a multi-step round (one
+        column per token: never one uniform for two positions)."""
+        return batch.uniforms[i, 1:, e: e + n]
 
     @staticmethod
     def _budget(batch: SpecBatch, i: int) -> int:
@@ -112,10 +122,11 @@ class TargetWorker:
         return batch.budget[i] if batch.budget else batch.steps[i]
 
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
-              probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None) -> None:
+              probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None,
+              coupled: bool = False) -> None:
         """One target forward over `rows` (batch indices; their slot states, drafts) and the
-        rejection sampler with `uniforms` ([b, 2, K+1]: accept tests, recovered/bonus draws);
-        appends to `out`.
+        rejection sampler with `uniforms` ([b, 2, K+1]: accept tests, recovered/bonus draws;
+        `coupled`: see `rejection_sample`); appends to `out`.
 
         sib[r] >= 0: a sibling of row r's first draft (a greedy row), fed after the chain at the
         first draft's position without seeing the chain. When the chain's first draft is rejected
@@ -144,7 +155,7 @@ class TargetWorker:
         idx = torch.tensor(rows)
         tokens, n_acc = rejection_sample(
             logits, draft_tokens, torch.tensor(num_draft), probs, batch.temperature[idx],
-            batch.top_k[idx], batch.top_p[idx], uniforms)
+            batch.top_k[idx], batch.top_p[idx], uniforms, coupled)
         for r, (i, st) in enumerate(zip(rows, states)):
             m = int(n_acc[r])
             emitted = tokens[r, : m + 1].tolist()

@@ -84,6 +84,26 @@ def test_demo_bf16_prompt_lookup_is_plain_greedy(demo_dir, demo_tok, demo_prompt
     assert accepted > 0
 
 
+def test_demo_bf16_sampled_prompt_lookup_draws_what_plain_rounds_draw(demo_dir, demo_tok, demo_prompts):
+    """Sampled requests (seeded, temperature 0.7 and OpenAI's default 1.0) with prompt lookup inside
+    8-step plain rounds: each lookup token is kept only where it equals the target's own draw, so the
+    answers are plain decoding's for the same seeds, and on real text lookups are accepted."""
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    params = [SamplingParams(max_tokens=64, temperature=t, seed=100 + i, ignore_eos=True)
+              for i, t in enumerate([0.7, 1.0] * len(demo_prompts))]
+    prompts = [p for p in demo_prompts for _ in range(2)]
+
+    def run(lookup_k: int):
+        eng = LLMEngine(TargetWorker(model, len(prompts), 1024), NgramProposer(), demo_tok,
+                        EngineConfig(max_batch_size=len(prompts), num_speculative_tokens=0, plain_steps=8,
+                                     lookup_k=lookup_k, lookup_max_batch=len(prompts)))
+        return [s.output_ids for s in eng.generate(prompts, params)], eng.stats
+
+    (ref, _), (out, st) = run(0), run(4)
+    assert out == ref
+    assert 0 < st.lookup_accepted < st.lookup_proposed
+
+
 def test_demo_bf16_invariant_attention_is_as_accurate_as_sdpa(demo_dir, demo_model, demo_tok, demo_prompts):
     """bf16 is the CPU default, so its position-invariant attention must not cost accuracy: against
     float32 logits it errs no more than bf16 SDPA (largest error over the prompts, and mean error

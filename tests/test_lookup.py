@@ -1,7 +1,9 @@
 """Prompt lookup inside multi-step plain rounds (specdec.target_worker.TargetWorker._multi_step):
-greedy rows verify n-gram continuations of their own context in the step's forward. The output is
-plain greedy decoding's, token for token (float32 and bfloat16), sampled rows are untouched, and
-a round's forwards yield more tokens where the text repeats itself."""
+rows verify n-gram continuations of their own context in the step's forward. The output is plain
+decoding's, token for token (float32 and bfloat16): greedy rows compare with the argmax, sampled
+rows with the target's own draw at each position (seeded: the same draws as plain rounds), and a
+round's forwards yield more tokens where the text repeats itself. (The statistical test of sampled
+lookups is in tests/test_lossless_proposers.py.)"""
 import pytest
 import torch
 
@@ -53,8 +55,8 @@ def test_lookup_emits_plain_greedy_tokens_in_fewer_forwards(tiny_dir, tiny_tok, 
 
 
 def test_lookup_respects_budget_stops_and_sampled_rows(tiny_dir, tiny_tok):
-    """Rows never emit past max_tokens or a stop id inside a call; sampled rows get no lookups and
-    draw exactly what plain rounds draw (seeded); a request's num_speculative_tokens=0 turns it off."""
+    """Rows never emit past max_tokens or a stop id inside a call; sampled rows draw exactly what
+    plain rounds draw (seeded); a request's num_speculative_tokens=0 turns lookup off."""
     target = load_model(tiny_dir)
     prompts = [tiny_tok(p).input_ids for p in PROMPTS]
     greedy = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
@@ -69,11 +71,25 @@ def test_lookup_respects_budget_stops_and_sampled_rows(tiny_dir, tiny_tok):
     seq = engine(target, tiny_tok, lookup_k=4).generate(prompts[:1], SamplingParams(
         max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[0]
     assert seq.output_ids == ref[0][: ref[0].index(stop) + 1] and seq.finish_reason == "stop"
-    sampled_only = engine(target, tiny_tok, lookup_k=4)
-    sampled_only.generate(prompts, sampled)
     off = engine(target, tiny_tok, lookup_k=4)
     off.generate(prompts, SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, num_speculative_tokens=0))
-    assert sampled_only.stats.lookup_proposed == 0 and off.stats.lookup_proposed == 0
+    assert off.stats.lookup_proposed == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampled_lookup_draws_what_plain_rounds_draw(tiny_dir, tiny_tok, dtype):
+    """Sampled rows with prompt lookup emit, for every seed, the tokens of plain one-step rounds.
+    (The tiny random model rarely repeats itself: lookups accepted on real text, tests/test_demo.py;
+    and in distribution, tests/test_lossless_proposers.py.)"""
+    target = load_model(tiny_dir, dtype=dtype)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = [SamplingParams(max_tokens=40, temperature=t, top_p=p, seed=seed, ignore_eos=True)
+              for seed in range(6) for t, p in ((0.05, 1.0), (1.0, 0.9))]
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+    ref = [s.output_ids for s in engine(target, tiny_tok, plain_steps=1, batch=12).generate(batch, params)]
+    eng = engine(target, tiny_tok, lookup_k=4, lookup_max_batch=12, batch=12)
+    assert [s.output_ids for s in eng.generate(batch, params)] == ref
+    assert eng.stats.lookup_proposed > 0
 
 
 def test_lookup_only_up_to_its_batch_size(tiny_dir, tiny_tok):

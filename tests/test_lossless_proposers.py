@@ -9,7 +9,9 @@ fixed, and compares the empirical joint of (x1, x2, x3) with the exact one by a 
 Two prompts share every batch: one that repeats itself (the n-gram and the hybrid's n-gram side
 match from the first round) and one with no repeated token (the hybrid drafts with its model).
 Every proposer also has a deliberately broken variant (a real bug class) that the same harness
-must reject, so the test can fail. Seeds make each run deterministic.
+must reject, so the test can fail. Seeds make each run deterministic. Prompt lookup inside
+multi-step plain rounds (no proposer call; checked against the target's own draws) is tested the
+same way at the end, with its own broken variant.
 """
 from __future__ import annotations
 
@@ -221,3 +223,49 @@ def test_harness_rejects_broken_proposer(models, kind, monkeypatch):
     pv = _pvalues(ref, codes, CASES[0])
     # the n-gram side of the hybrid is biased on the repeating prompt; the others on both prompts
     assert (pv[0] if kind in ("ngram", "hybrid") else min(pv)) < ALPHA, pv
+
+
+# ---- prompt lookup inside multi-step plain rounds: drafts checked against the target's own draws --
+PAIRS = [t for v in range(V) for t in (3, v)] + [3]  # "3 v" for every v: after x1 = v a 2-gram matches
+LOOKUP_PROMPTS = [PAIRS, REPEATING]
+
+
+class _OneDrawPerStep(TargetWorker):
+    """The bug class `coupled_verify` must avoid: one uniform drawing every position of a forward."""
+
+    @staticmethod
+    def _draws(batch, i, e, n):
+        return batch.uniforms[i, 1:, e: e + 1].expand(-1, n)
+
+
+def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0, case=CASES[0]):
+    """p-values per prompt of n seeded requests through plain rounds of up to STEPS tokens whose rows
+    verify prompt-lookup tokens in the same forward (batches of BATCH requests, so that none waits
+    and rounds run multi-step: the prefill round draws x1, one multi-step round x2 and x3)."""
+    eng = LLMEngine(worker(target, BATCH, 64), NgramProposer(), None,
+                    EngineConfig(max_batch_size=BATCH, max_model_len=64, num_speculative_tokens=0,
+                                 plain_steps=STEPS, lookup_k=STEPS - 1, lookup_max_batch=BATCH), eos_token_ids=[])
+    out = []
+    for lo in range(0, n, BATCH):
+        params = [SamplingParams(max_tokens=STEPS, temperature=case[0], top_k=case[1], top_p=case[2],
+                                 seed=seed0 + i, ignore_eos=True) for i in range(lo, min(n, lo + BATCH))]
+        prompts = [LOOKUP_PROMPTS[i % 2] for i in range(lo, lo + len(params))]
+        out += [s.output_ids for s in eng.generate(prompts, params)]
+    out = torch.tensor(out)  # [n, STEPS]
+    codes = out[:, 0] * V * V + out[:, 1] * V + out[:, 2]
+    return [_pvalue(codes[j::2], _exact_joint(ref, LOOKUP_PROMPTS[j], *case)) for j in range(2)], eng.stats
+
+
+@pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
+def test_sampled_prompt_lookup_is_lossless(models, case):
+    ref, target = models[:2]
+    pv, st = _sample_lookup(ref, target, seed0=50_000 + 1000 * CASES.index(case), case=case)
+    assert st.lookup_accepted > N // 10 and st.lookup_proposed > st.lookup_accepted  # both paths taken
+    assert min(pv) > ALPHA, pv
+
+
+def test_harness_rejects_lookup_with_one_draw_per_step(models):
+    ref, target = models[:2]
+    pv, st = _sample_lookup(ref, target, _OneDrawPerStep, seed0=9)
+    assert st.lookup_accepted > N // 10
+    assert min(pv) < ALPHA, pv

@@ -255,17 +255,13 @@ class CompletionRequest(_SamplingRequest):
         return self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: a string or a list of token ids (never empty)."""
+        """One entry per prompt: a string or a list of token ids (`_check_prompt`: none empty)."""
         p = self.prompt
         if isinstance(p, str):
-            prompts: list[str | list[int]] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        else:
-            prompts = [x if isinstance(x, str) else list(x) for x in p]
-        if not prompts or any(len(x) == 0 for x in prompts):
-            raise APIError("Invalid 'prompt': prompts must not be empty.", param="prompt")
-        return prompts
+            return [p]
+        if all(type(x) is int for x in p):
+            return [list(p)]
+        return [x if isinstance(x, str) else list(x) for x in p]
 
 
 class TextContentPart(_RequestModel):
