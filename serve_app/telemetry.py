@@ -234,32 +234,6 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
         return provider
 
 
-def reset_tracing() -> None:
-    """Flush and shut down what setup_tracing installed and forget it (tests, reconfiguration).
-
-    OpenTelemetry lets the *global* provider be set once per process, so after a reset a new
-    setup's provider serves deployments.tracing's spans but not `opentelemetry.trace.get_tracer()`.
-    """
-    global _config, _provider, _owns_provider, _memory_exporter
-    with _lock:
-        if _provider is not None and _owns_provider:
-            _provider.shutdown()
-        _config, _provider, _owns_provider = None, None, False
-        _memory_exporter = None
-        tracing.use_tracer(None)
-
-
-def flush_tracing(timeout_millis: int = 5000) -> bool:
-    """Export buffered spans now (batch processors export in the background otherwise)."""
-    provider = _provider
-    return provider.force_flush(timeout_millis) if provider is not None else True
-
-
-def memory_exporter() -> Any:
-    """The InMemorySpanExporter of the "memory" exporter (None otherwise)."""
-    return _memory_exporter
-
-
 # ---------------------------------------------------------------------------------------------
 # Ray Serve's built-in tracing hook
 # ---------------------------------------------------------------------------------------------

@@ -18,11 +18,26 @@ from serve_app.telemetry import TracingConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
+def reset_tracing() -> None:
+    """Shut down what setup_tracing installed and forget it. (OpenTelemetry sets the *global*
+    provider once per process: after a reset a new setup's provider serves deployments.tracing's
+    spans but not `opentelemetry.trace.get_tracer()`.)"""
+    if T._provider is not None and T._owns_provider:
+        T._provider.shutdown()
+    T._config, T._provider, T._owns_provider, T._memory_exporter = None, None, False, None
+    tracing.use_tracer(None)
+
+
+def flush_tracing() -> bool:
+    """Export buffered spans now (batch processors export in the background otherwise)."""
+    return T._provider is None or T._provider.force_flush(5000)
+
+
 @pytest.fixture(autouse=True)
 def fresh_tracing():
-    T.reset_tracing()
+    reset_tracing()
     yield
-    T.reset_tracing()
+    reset_tracing()
 
 
 def run_python(code: str, env: dict[str, str] | None = None, args: list[str] = ()) -> str:
@@ -48,7 +63,7 @@ def test_jsonl_exporter_writes_parseable_spans_with_parent_links(tmp_path):
     with tracing.span("request", **{"request.id": "r1", "prompt_tokens": 7}):
         with tracing.span("round") as round_span:
             round_span.set_attribute("k", 4)
-    assert T.flush_tracing()
+    assert flush_tracing()
     spans = {s["name"]: s for s in read_spans(path)}
     assert set(spans) == {"request", "round"}
     req, rnd = spans["request"], spans["round"]
@@ -71,7 +86,7 @@ def test_context_round_trips_across_a_process_boundary(tmp_path):
         assert tracing.start_span("unrelated_root")[0].is_recording() is False
         with tracing.span("remote_child", carrier=json.loads(sys.argv[1])) as s:
             assert s.is_recording()  # ParentBased: follows the sampled remote parent
-        T.flush_tracing()
+        T._provider.force_flush()
     """
     with tracing.span("router_round") as parent:
         carrier = tracing.inject()
@@ -79,7 +94,7 @@ def test_context_round_trips_across_a_process_boundary(tmp_path):
         run_python(child_code, args=[json.dumps(carrier)],
                    env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path),
                         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"})
-    T.flush_tracing()
+    flush_tracing()
     spans = {s["name"]: s for s in read_spans(path)}
     assert set(spans) == {"router_round", "remote_child"}
     child, par = spans["remote_child"], spans["router_round"]
@@ -126,7 +141,7 @@ def test_none_installs_nothing_and_costs_nothing():
 
 def test_sampling_ratio_zero_drops_new_traces_but_follows_sampled_parents():
     T.setup_tracing(TracingConfig(exporter="memory", sampling_ratio=0.0))
-    exporter = T.memory_exporter()
+    exporter = T._memory_exporter
     for _ in range(50):
         with tracing.span("dropped") as s:
             assert not s.is_recording()
@@ -143,7 +158,7 @@ def test_sampling_ratio_one_keeps_everything():
     for _ in range(20):
         with tracing.span("kept"):
             pass
-    assert len(T.memory_exporter().get_finished_spans()) == 20
+    assert len(T._memory_exporter.get_finished_spans()) == 20
 
 
 def test_from_env_picks_the_exporter_and_leaves_the_rest_to_the_sdk():
@@ -180,7 +195,7 @@ def test_explicit_config_reaches_another_process_through_the_sdks_own_variables(
             pass
         with tracing.span("kept", carrier={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}):
             pass
-        T.flush_tracing()
+        T._provider.force_flush()
         print(OTLPSpanExporter()._endpoint)
     """, env=env)
     assert out.strip() == "http://c:4318/custom"
@@ -192,7 +207,7 @@ def test_default_service_name_without_env():
     T.setup_tracing(TracingConfig(exporter="memory"))
     with tracing.span("s"):
         pass
-    (s,) = T.memory_exporter().get_finished_spans()
+    (s,) = T._memory_exporter.get_finished_spans()
     assert s.resource.attributes["service.name"] == "specdec"
 
 
@@ -238,7 +253,7 @@ def test_setup_adopts_ray_serve_provider_without_duplicate_export(tmp_path):
         with serve_tracing.TraceContextManager("proxy_request"):
             with tracing.span("router_round"):
                 pass
-        T.flush_tracing()
+        T._provider.force_flush()
     """, env={"SPECDEC_TRACING_EXPORTER": "jsonl", "SPECDEC_TRACING_PATH": str(path)})
     spans = read_spans(path)
     assert sorted(s["name"] for s in spans) == ["proxy_request", "router_round"]  # once each
