@@ -38,8 +38,8 @@ class SchedulerConfig:
     # row's chain, a sibling of its first draft (SpecBatch.siblings); 0: chains only
     lookup_k: int = 0  # multi-step plain rounds of at most `lookup_max_batch` rows: every row may
     lookup_max_batch: int = 0  # verify up to lookup_k prompt-lookup tokens per step (SpecBatch.lookup)
-    ngram_k: int = 0  # speculative rounds of at most `lookup_max_batch` rows: a greedy row's drafts
-    # found by prompt lookup may run this long (SpecBatch.ngram_k; they cost no draft forward)
+    ngram_k: int = 0  # rounds of one row: a greedy row's drafts found by prompt lookup may run this
+    # long (SpecBatch.ngram_k; they cost no draft forward), and so may a plain round's lookups
 
 
 def scheduler_config(cfg, **overrides) -> SchedulerConfig:
@@ -159,8 +159,9 @@ class Scheduler:
         K = max(ks)
         self.plain_run = 0 if K else self.plain_run + 1
         steps = self._plain_steps(seqs, prefill) if K == 0 else None
-        ngram_k = [self._ngram_k(s, k) for s, k in zip(seqs, ks)] if K and B <= self.cfg.lookup_max_batch else None
-        lookup = [self._lookup_k(s) for s in seqs] if steps and B <= self.cfg.lookup_max_batch else None
+        small = B <= self.cfg.lookup_max_batch  # prompt lookup pays in small rounds only
+        ngram_k = [self._ngram_k(s, k) for s, k in zip(seqs, ks)] if K and B == 1 and small else None
+        lookup = [self._lookup_k(s, B) for s in seqs] if steps and small else None
         # a multi-step round's row emits up to steps * (1 + lookup) tokens, each drawing as a plain round would
         draws = [min(s.remaining, n * (1 + (lookup[i] if lookup else 0))) for i, (s, n) in enumerate(zip(seqs, steps))] \
             if steps else None
@@ -219,12 +220,13 @@ class Scheduler:
         req = seq.params.num_speculative_tokens
         return limit if req is None else min(req, limit)
 
-    def _lookup_k(self, seq: Sequence) -> int:
+    def _lookup_k(self, seq: Sequence, batch: int) -> int:
         """Prompt-lookup tokens a row may verify per step of a multi-step plain round (greedy and
-        sampled rows) of a speculating scheduler, capped by the request (`_request_cap`)."""
-        if not self.cfg.speculate:
+        sampled rows) of a speculating scheduler: `lookup_k`, or up to `ngram_k` in a round of one
+        row (where longer lookups cost little), capped by the request (`_request_cap`)."""
+        if not (self.cfg.speculate and self.cfg.lookup_k):
             return 0
-        return self._request_cap(seq, self.cfg.lookup_k)
+        return self._request_cap(seq, max(self.cfg.lookup_k, self.cfg.ngram_k) if batch == 1 else self.cfg.lookup_k)
 
     def _ngram_k(self, seq: Sequence, k: int) -> int:
         """How long a greedy drafting row's prompt-lookup drafts may run: `ngram_k`, capped by the
