@@ -72,7 +72,9 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     if need_p:
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
         cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
-        mask |= cum_before >= top_p[:, None]  # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p; rows at top_p = 1 keep all (their float32 sum can
+        # reach 1 before the tail, which would drop it only because another row needs the sort)
+        mask |= (cum_before >= top_p[:, None]) & (top_p[:, None] < 1)
     mask[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

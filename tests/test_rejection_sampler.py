@@ -44,6 +44,17 @@ def test_top_k_top_p_masks():
     assert torch.isfinite(kept[:2]).all() and torch.isinf(kept[2:]).all()  # 0.5 + 0.3 reaches 0.7
 
 
+def test_a_row_without_top_p_is_not_masked_by_its_batch():
+    """A peaked row (its float32 cumulative mass reaches 1.0 before the tail) keeps its tail at
+    top_p = 1, whether or not another row of the batch uses top-p."""
+    logits = torch.tensor([[20.0] + [0.0] * 7])
+    alone = logits_to_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))
+    batch = logits_to_probs(logits.repeat(2, 1), torch.ones(2), torch.zeros(2, dtype=torch.long),
+                            torch.tensor([1.0, 0.5]))
+    assert bool((alone[0, 1:] > 0).all())
+    assert torch.equal(batch[0], alone[0]) and bool((batch[1, 1:] == 0).all())
+
+
 def test_inverse_cdf_sampling_never_picks_zero_mass():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).repeat(1000, 1)
     idx = sample_from_probs(probs, torch.rand(1000))
