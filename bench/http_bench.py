@@ -59,7 +59,21 @@ TASKS = ["Write a short, friendly email asking my landlord to fix a leaking tap.
          "How can I improve my public speaking?",
          "Translate 'Where is the train station?' into French and Spanish.",
          "Describe the water cycle step by step.", "What are good habits for keeping a clean kitchen?"]
-PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS}
+# Written on 2026-12-05 after the lookup corpus's settings were fixed (specdec/corpus.py), and used
+# only to measure it: nothing was chosen on these.
+FRESH = ["How do I get a stubborn stain out of a white shirt?", "What is the best way to learn a new language as an adult?",
+         "Why do we have leap years?", "Write a thank-you note to a neighbour who watered my plants.",
+         "What should I look for when buying a used car?", "How do bees make honey?",
+         "Give me a simple weekly exercise plan for a beginner.", "What causes thunder and lightning?",
+         "How can I stay focused while studying at home?", "Explain what a mortgage is in plain words.",
+         "Suggest three board games for a family evening and say why.", "Why does bread go stale?",
+         "What are some ways to reduce stress at work?", "How do I write a good cover letter?",
+         "Describe how a refrigerator keeps food cold.", "What is the difference between a lake and a pond?",
+         "How do I care for a cactus?", "Tell me a short bedtime story about a brave little fox.",
+         "What are the benefits of drinking water?", "How do solar panels produce electricity?",
+         "Recommend a few ways to make new friends in a new city.", "Why do onions make people cry?",
+         "What is compound interest? Give an example.", "How should I store fresh herbs so they last longer?"]
+PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH}
 
 STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 

@@ -26,7 +26,8 @@ from deployments.tracing import ensure_provider
 from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads
 from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
                                  LoadMeter)
-from specdec.loader import load_model, parse_dtype
+from specdec.corpus import NgramCorpus
+from specdec.loader import load_model, parse_dtype, resolve_corpus
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.target_worker import TargetWorker
 from specdec.tp import apply_tp
@@ -48,6 +49,7 @@ class TargetConfig(ModelRuntime):
     feature_layers: list[int] = Field(default_factory=list, description="Layers whose outputs precede the final feature in those hidden states (an EAGLE-3 draft's fusion, from its config.json).")
     worker_cpus: float = Field(0.5, gt=0, description="CPUs each TP worker actor asks for (its bundle's share).")
     worker_gpus: float = Field(0, ge=0, description="GPUs each TP worker actor asks for.")
+    lookup_corpus: str | None = Field(None, description="Corpus of the target's own answers (specdec.corpus: an .npz file, or a shipped corpus's name) that continues prompt-lookup drafts in multi-step plain rounds; None: prompt lookup alone.")
 
 
 def _load_rank(cfg: TargetConfig, rank: int, world: int):
@@ -141,7 +143,8 @@ class TargetDeployment:
         model = _load_rank(self.cfg, 0, self.cfg.tp)
         if self.workers:
             model = TPGroupModel(model, self.workers)
-        return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden)
+        corpus = NgramCorpus.load(resolve_corpus(self.cfg.lookup_corpus)) if self.cfg.lookup_corpus else None
+        return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden, corpus)
 
     def _start_workers(self) -> list:
         from ray.util.placement_group import get_current_placement_group

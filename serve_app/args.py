@@ -63,6 +63,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     max_draft_replicas: int = Field(4, ge=1, description="Upper bound for draft replicas when autoscaling.")
     max_router_replicas: int = Field(2, ge=1, description="Upper bound for router replicas when autoscaling.")
     autoscaling_policy_kwargs: dict = Field(default_factory=dict, description="Overrides of serve_app.autoscaling.AutoscalingParams (capacities, thresholds, delays).")
+    lookup_corpus: str | None = Field("auto", description="Corpus of the target's own answers to other questions (specdec.corpus; an .npz file made by specdec-corpus, or a shipped corpus's name) that continues prompt-lookup drafts in multi-step plain rounds, so they find tokens before an answer repeats itself; the output stays plain decoding's. 'auto': the corpus shipped for the target (the demo target: 'smollm2-corpus'), none otherwise; None: prompt lookup alone.")
     lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
     tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables.")
@@ -74,8 +75,9 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         for key in ("api", "tracing"):
             if isinstance(data, dict) and isinstance(data.get(key), str):
                 data = {**data, key: json.loads(data[key])}
-        if isinstance(data, dict) and data.get("draft") in ("", "none", "None"):
-            data = {**data, "draft": None}
+        for key in ("draft", "lookup_corpus"):
+            if isinstance(data, dict) and data.get(key) in ("", "none", "None"):
+                data = {**data, key: None}
         return data
 
     @model_validator(mode="after")
@@ -88,6 +90,9 @@ class AppArgs(SchedulingConfig, ProposerSettings):
             from specdec.loader import bundled_draft_for
             self.draft = self.draft or bundled_draft_for(self.target)
             self.proposer = AUTO_PROPOSER_WITH_DRAFT if self.draft else AUTO_PROPOSER_WITHOUT_DRAFT
+        if self.lookup_corpus == "auto":
+            from specdec.loader import bundled_corpus_for
+            self.lookup_corpus = bundled_corpus_for(self.target)
         if self.proposer in DRAFT_PROPOSERS and not self.draft:
             raise ValueError(f"proposer={self.proposer!r} needs draft=PATH (a checkpoint with the target's tokenizer)")
         if self.draft and self.proposer not in DRAFT_PROPOSERS:
@@ -144,7 +149,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                             worker_cpus=self.target_cpus,
                             return_hidden=self.uses_features,
                             feature_layers=feature_layers(self.draft) if self.uses_features else [],
-                            worker_gpus=1 if self.device == "cuda" else 0)
+                            worker_gpus=1 if self.device == "cuda" else 0, lookup_corpus=self.lookup_corpus)
 
     def draft_config(self) -> DraftConfig | None:
         if not self.speculate:
@@ -207,6 +212,16 @@ class AppArgs(SchedulingConfig, ProposerSettings):
             raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
                              f"{margs.num_layers} layers")
         self.max_model_len = self._resolve_max_model_len(margs)
+        if self.lookup_corpus:
+            from specdec.corpus import corpus_vocab_size
+            from specdec.loader import resolve_corpus
+            try:
+                vocab = corpus_vocab_size(resolve_corpus(self.lookup_corpus))
+            except ModelLoadError as e:
+                raise ValueError(str(e)) from None
+            if vocab > margs.vocab_size:
+                raise ValueError(f"lookup_corpus {self.lookup_corpus} was made for a vocabulary of {vocab} tokens; "
+                                 f"target {self.target} has {margs.vocab_size}")
         if self.proposer in DRAFT_PROPOSERS:
             from specdec.eagle_draft import check_eagle_fits, is_eagle
             if self.proposer == "eagle" and not is_eagle(self.draft):

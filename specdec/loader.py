@@ -33,6 +33,29 @@ BUNDLED_DIR = Path(__file__).parent / "drafts"  # drafts shipped with the projec
 _BUNDLED_FOR_TARGET = {"smollm2": "smollm2-eagle", "default": "smollm2-eagle"}
 
 
+_CORPUS_FOR_TARGET = {"smollm2": "smollm2-corpus", "default": "smollm2-corpus"}
+CORPUS_FILE = "corpus.npz"
+
+
+def bundled_corpus_for(target: str) -> str | None:
+    """The name of the lookup corpus shipped for `target` (the demo target), if this install has it."""
+    name = _CORPUS_FOR_TARGET.get(str(target))
+    return name if name and (BUNDLED_DIR / name / CORPUS_FILE).is_file() else None
+
+
+def resolve_corpus(spec: str | os.PathLike) -> Path:
+    """A lookup corpus (specdec.corpus): an .npz file, a directory holding corpus.npz, or the name
+    of one shipped in `specdec/drafts/`."""
+    path = BUNDLED_DIR / str(spec) if "/" not in str(spec) and (BUNDLED_DIR / str(spec)).is_dir() else Path(spec)
+    path = path.expanduser()
+    if path.is_dir():
+        path = path / CORPUS_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"lookup corpus {path} does not exist (expected an .npz file made by "
+                             "specdec-corpus, a directory holding corpus.npz, or a shipped corpus's name)")
+    return path
+
+
 def bundled_draft_for(target: str) -> str | None:
     """The name of the draft shipped for `target` (the demo target), if this install has it."""
     name = _BUNDLED_FOR_TARGET.get(str(target))

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from specdec.corpus import NgramCorpus
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.proposers.ngram import ngram_lookup
 from specdec.rejection_sampler import DraftProbs, rejection_sample
@@ -21,9 +22,23 @@ from specdec.runner import CacheFullError, SlotTable, run_ragged
 LOOKUP_NGRAM = (2, 4)  # prompt lookup in multi-step plain rounds: suffix n-grams of 2 to 4 tokens
 
 
+def lookup_draft(tokens: list[int], k: int, corpus: NgramCorpus | None = None) -> list[int]:
+    """Up to k lookup tokens after `tokens`: prompt lookup in the sequence itself, continued from
+    the corpus where that ends short (or finds nothing)."""
+    draft = ngram_lookup(tokens, k, *LOOKUP_NGRAM)
+    if corpus is not None and len(draft) < k:
+        draft += corpus.draft(tokens[-corpus.max_n:] + draft, k - len(draft))
+    return draft
+
+
 class TargetWorker:
-    def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False):
+    def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False,
+                 corpus: NgramCorpus | None = None):
+        if corpus is not None and corpus.vocab_size > model.args.vocab_size:
+            raise ValueError(f"the lookup corpus's vocabulary ({corpus.vocab_size}) is larger than the target's "
+                             f"({model.args.vocab_size}): it was made for another model")
         self.model = model
+        self.corpus = corpus  # lookups continue from the target's answers to other questions
         self.max_model_len = max_model_len
         model.setup_cache(num_slots, max_model_len)
         self.table = SlotTable(num_slots, max_model_len)
@@ -103,12 +118,13 @@ class TargetWorker:
         out.steps = j
 
     def _lookup(self, batch: SpecBatch, i: int, st, emitted: int) -> list[int]:
-        """Prompt-lookup drafts for row i of a multi-step round (up to `batch.lookup[i]`), within
-        what the row may still emit this round and its cache's room."""
+        """Lookup drafts for row i of a multi-step round (up to `batch.lookup[i]`), within what
+        the row may still emit this round and its cache's room: prompt lookup in its own context,
+        continued from the corpus (if any) where that ends short."""
         if not batch.lookup or not batch.lookup[i]:
             return []
         room = min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
-        return ngram_lookup(st.tokens, room, *LOOKUP_NGRAM) if room > 0 else []
+        return lookup_draft(st.tokens, room, self.corpus) if room > 0 else []
 
     @staticmethod
     def _draws(batch: SpecBatch, i: int, e: int, n: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""AppArgs: max_model_len defaults to the target's own limit, capped by the KV-cache budget."""
+"""AppArgs: max_model_len defaults to the target's own limit, capped by the KV-cache budget; the
+lookup corpus defaults to the demo target's and is checked against the target."""
 from __future__ import annotations
 
 import pytest
@@ -84,3 +85,22 @@ def test_the_target_returns_the_taps_a_fusing_draft_reads(tiny_dir, tiny_eagle_d
     off = AppArgs(target=str(tiny_dir), proposer="hybrid", draft=str(tiny_eagle_dir), num_speculative_tokens=0)
     off.validate_models()
     assert off.target_config().feature_layers == []
+
+
+def test_lookup_corpus_auto_is_the_demo_targets_and_is_checked(tiny_dir, tmp_path):
+    from specdec.corpus import NgramCorpus
+    assert AppArgs().lookup_corpus == "smollm2-corpus"  # shipped for the demo target
+    assert AppArgs(target=str(tiny_dir)).lookup_corpus is None  # no corpus for other targets
+    assert AppArgs(lookup_corpus="none").lookup_corpus is None
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(tiny_dir).vocab_size
+    ok, big = tmp_path / "ok.npz", tmp_path / "big.npz"
+    NgramCorpus.save(ok, [[1, 2, 3]], vocab)
+    NgramCorpus.save(big, [[1, 2, 3]], vocab + 1)
+    a = AppArgs(target=str(tiny_dir), lookup_corpus=str(ok))
+    a.validate_models()
+    assert a.target_config().lookup_corpus == str(ok)
+    with pytest.raises(ValueError, match="vocabulary"):
+        AppArgs(target=str(tiny_dir), lookup_corpus=str(big)).validate_models()
+    with pytest.raises(ValueError, match="does not exist"):
+        AppArgs(target=str(tiny_dir), lookup_corpus=str(tmp_path / "missing.npz")).validate_models()

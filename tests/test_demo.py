@@ -104,6 +104,29 @@ def test_demo_bf16_sampled_prompt_lookup_draws_what_plain_rounds_draw(demo_dir, 
     assert 0 < st.lookup_accepted < st.lookup_proposed
 
 
+def test_demo_bf16_shipped_corpus_lookups_are_plain_and_pay(demo_dir, demo_tok, demo_prompts):
+    """The shipped corpus of the target's own answers (specdec/drafts/smollm2-corpus) continuing
+    prompt lookup in 8-step plain rounds: greedy and seeded sampled answers are plain decoding's,
+    and its lookups keep more tokens than prompt lookup alone (none of these questions is in it)."""
+    from specdec.corpus import NgramCorpus
+    from specdec.loader import bundled_corpus_for, resolve_corpus
+    corpus = NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    params = [SamplingParams(max_tokens=64, temperature=t, seed=200 + i)
+              for i, t in enumerate([0.0, 0.7] * len(demo_prompts))]
+    prompts = [p for p in demo_prompts for _ in range(2)]
+
+    def run(lookup_k: int, corpus=None):
+        eng = LLMEngine(TargetWorker(model, len(prompts), 1024, corpus=corpus), NgramProposer(), demo_tok,
+                        EngineConfig(max_batch_size=len(prompts), num_speculative_tokens=0, plain_steps=8,
+                                     lookup_k=lookup_k, lookup_max_batch=len(prompts)))
+        return [s.output_ids for s in eng.generate(prompts, params)], eng.stats
+
+    (ref, _), (alone, st0), (out, st) = run(0), run(4), run(4, corpus)
+    assert alone == ref and out == ref
+    assert st.lookup_accepted > st0.lookup_accepted and st.lookup_proposed > st.lookup_accepted
+
+
 def test_demo_bf16_invariant_attention_is_as_accurate_as_sdpa(demo_dir, demo_model, demo_tok, demo_prompts):
     """bf16 is the CPU default, so its position-invariant attention must not cost accuracy: against
     float32 logits it errs no more than bf16 SDPA (largest error over the prompts, and mean error

@@ -239,5 +239,6 @@ def test_dockerignore_keeps_what_the_image_needs():
                  "specdec_tools/distill/cli.py", "specdec_tools/bench.py",
                  "deployments/target.py", "serve_app/builder.py", "drafts/tiny/model.safetensors",
                  "specdec/drafts/smollm2-eagle/model.safetensors", "specdec/drafts/smollm2-eagle/specdec.json",
+                 "specdec/drafts/smollm2-corpus/corpus.npz",
                  "serve_config.yaml"):
         assert not _dockerignored(path), f"{path} is excluded from the build context"

@@ -17,9 +17,9 @@ PROMPTS = ["a b c a b c a b", "def add(a, b):\n    return a + b\n\ndef add", "im
            "The weather today is"]
 
 
-def engine(target, tok, lookup_k=0, lookup_max_batch=8, batch=4, plain_steps=8):
+def engine(target, tok, lookup_k=0, lookup_max_batch=8, batch=4, plain_steps=8, corpus=None):
     """k_max 0 with a proposer present: every round is a plain one, prompt lookup on when asked."""
-    return LLMEngine(TargetWorker(target, num_slots=batch, max_model_len=256), NgramProposer(), tok,
+    return LLMEngine(TargetWorker(target, num_slots=batch, max_model_len=256, corpus=corpus), NgramProposer(), tok,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=0, plain_steps=plain_steps,
                                   lookup_k=lookup_k, lookup_max_batch=lookup_max_batch))
 
@@ -90,6 +90,34 @@ def test_sampled_lookup_draws_what_plain_rounds_draw(tiny_dir, tiny_tok, dtype):
     eng = engine(target, tiny_tok, lookup_k=4, lookup_max_batch=12, batch=12)
     assert [s.output_ids for s in eng.generate(batch, params)] == ref
     assert eng.stats.lookup_proposed > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_corpus_lookups_keep_plain_tokens_in_fewer_forwards(tiny_dir, tiny_tok, dtype):
+    """A corpus continues prompt-lookup drafts: whether it holds the target's own answers (drafts
+    accepted) or noise (drafts rejected), greedy and seeded sampled rows emit plain decoding's
+    tokens, and the answers' corpus saves forwards over prompt lookup alone."""
+    from specdec.corpus import NgramCorpus
+    target = load_model(tiny_dir, dtype=dtype)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=s, ignore_eos=True)
+              for s, t in enumerate((0.0, 0.0, 0.7, 1.0))]
+    ref = [s.output_ids for s in engine(target, tiny_tok, plain_steps=1).generate(prompts, params)]
+    answers = [p[-6:] + r for p, r in zip(prompts, ref)]  # as specdec-corpus writes them
+    own = NgramCorpus([t for a in answers for t in (*a, -1)], target.args.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    noise = NgramCorpus(torch.randint(0, target.args.vocab_size, (4000,), generator=g).numpy(),
+                        target.args.vocab_size, min_ratio=0.0)
+    steps = {}
+    for name, corpus in (("none", None), ("own", own), ("noise", noise)):
+        eng = engine(target, tiny_tok, lookup_k=4, batch=1, corpus=corpus)
+        calls = count_forwards(eng)
+        for p, prm, r in zip(prompts, params, ref):  # one request at a time: multi-step rounds
+            assert [s.output_ids for s in eng.generate([p], prm)] == [r], name
+        steps[name] = sum(c.steps for c in calls)
+        if corpus is noise:
+            assert eng.stats.lookup_proposed > eng.stats.lookup_accepted  # its drafts are tried and fail
+    assert steps["own"] < steps["none"] and steps["own"] <= sum(map(len, ref)) // 2
 
 
 def test_lookup_only_up_to_its_batch_size(tiny_dir, tiny_tok):

@@ -238,28 +238,47 @@ class _OneDrawPerStep(TargetWorker):
         return batch.uniforms[i, 1:, e: e + 1].expand(-1, n)
 
 
-def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0, case=CASES[0]):
+def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0, case=CASES[0],
+                   prompts=LOOKUP_PROMPTS, corpus=None):
     """p-values per prompt of n seeded requests through plain rounds of up to STEPS tokens whose rows
-    verify prompt-lookup tokens in the same forward (batches of BATCH requests, so that none waits
-    and rounds run multi-step: the prefill round draws x1, one multi-step round x2 and x3)."""
-    eng = LLMEngine(worker(target, BATCH, 64), NgramProposer(), None,
+    verify prompt-lookup tokens (continued from `corpus`, if any) in the same forward (batches of
+    BATCH requests, so that none waits and rounds run multi-step: the prefill round draws x1, one
+    multi-step round x2 and x3)."""
+    eng = LLMEngine(worker(target, BATCH, 64, corpus=corpus), NgramProposer(), None,
                     EngineConfig(max_batch_size=BATCH, max_model_len=64, num_speculative_tokens=0,
                                  plain_steps=STEPS, lookup_k=STEPS - 1, lookup_max_batch=BATCH), eos_token_ids=[])
     out = []
     for lo in range(0, n, BATCH):
         params = [SamplingParams(max_tokens=STEPS, temperature=case[0], top_k=case[1], top_p=case[2],
                                  seed=seed0 + i, ignore_eos=True) for i in range(lo, min(n, lo + BATCH))]
-        prompts = [LOOKUP_PROMPTS[i % 2] for i in range(lo, lo + len(params))]
-        out += [s.output_ids for s in eng.generate(prompts, params)]
+        out += [s.output_ids for s in eng.generate([prompts[i % 2] for i in range(lo, lo + len(params))], params)]
     out = torch.tensor(out)  # [n, STEPS]
     codes = out[:, 0] * V * V + out[:, 1] * V + out[:, 2]
-    return [_pvalue(codes[j::2], _exact_joint(ref, LOOKUP_PROMPTS[j], *case)) for j in range(2)], eng.stats
+    return [_pvalue(codes[j::2], _exact_joint(ref, prompts[j], *case)) for j in range(2)], eng.stats
 
 
 @pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
 def test_sampled_prompt_lookup_is_lossless(models, case):
     ref, target = models[:2]
     pv, st = _sample_lookup(ref, target, seed0=50_000 + 1000 * CASES.index(case), case=case)
+    assert st.lookup_accepted > N // 10 and st.lookup_proposed > st.lookup_accepted  # both paths taken
+    assert min(pv) > ALPHA, pv
+
+
+@pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
+def test_sampled_corpus_lookup_is_lossless(models, case):
+    """Lookups from a corpus of the target's own sampled answers (specdec.corpus), on prompts that
+    never repeat a token: every lookup draft is the corpus's."""
+    from specdec.corpus import SEP, NgramCorpus
+    ref, target = models[:2]
+    prompts = [DISTINCT, DISTINCT[::-1]]
+    eng = LLMEngine(TargetWorker(target, BATCH, 64), None, None,
+                    EngineConfig(max_batch_size=BATCH, max_model_len=64, speculate=False), eos_token_ids=[])
+    answers = [p[-3:] + s.output_ids for p in prompts for s in eng.generate(
+        [p] * BATCH, [SamplingParams(max_tokens=STEPS, temperature=1.0, seed=10**6 + i) for i in range(BATCH)])]
+    corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], V, min_ratio=0.0)
+    pv, st = _sample_lookup(ref, target, seed0=70_000 + 1000 * CASES.index(case), case=case, prompts=prompts,
+                            corpus=corpus)
     assert st.lookup_accepted > N // 10 and st.lookup_proposed > st.lookup_accepted  # both paths taken
     assert min(pv) > ALPHA, pv
 

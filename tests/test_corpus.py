@@ -1,0 +1,84 @@
+"""The lookup corpus (specdec.corpus): its hashed table answers what a plain dictionary of the
+answers' n-grams answers, contexts never cross answers, the longest context decides, weak ones
+stop a draft, and the file round-trips. (That corpus drafts keep the output plain decoding's:
+tests/test_lookup.py and tests/test_lossless_proposers.py.)"""
+import collections
+import random
+
+import numpy as np
+import pytest
+
+from specdec.corpus import SEP, NgramCorpus, corpus_vocab_size
+
+
+def _oracle(answers, max_n, min_count, min_ratio):
+    """next_token by brute force: every context of 1..max_n tokens inside an answer -> Counter."""
+    table = collections.defaultdict(collections.Counter)
+    for a in answers:
+        for i in range(1, len(a)):
+            for n in range(1, min(max_n, i) + 1):
+                table[tuple(a[i - n:i])][a[i]] += 1
+
+    def next_tokens(ctx):
+        """The tokens next_token may answer (the most frequent, ties included), or None."""
+        for n in range(min(max_n, len(ctx)), 0, -1):
+            c = table.get(tuple(ctx[-n:]))
+            if c:
+                cnt = max(c.values())
+                ok = cnt >= min_count and cnt >= min_ratio * sum(c.values())
+                return {t for t, m in c.items() if m == cnt} if ok else None
+        return None
+    return next_tokens
+
+
+@pytest.mark.parametrize("max_n,min_count,min_ratio", [(1, 1, 0.0), (3, 1, 0.4), (6, 2, 0.3)])
+def test_table_answers_like_a_dictionary_of_ngrams(max_n, min_count, min_ratio):
+    rng = random.Random(max_n)
+    answers = [[rng.randrange(9) for _ in range(rng.randrange(1, 30))] for _ in range(300)]
+    corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], vocab_size=9, max_n=max_n,
+                         min_count=min_count, min_ratio=min_ratio)
+    oracle = _oracle(answers, max_n, min_count, min_ratio)
+    proposed = 0
+    for _ in range(2000):
+        ctx = [rng.randrange(9) for _ in range(rng.randrange(1, 9))]
+        want, got = oracle(ctx), corpus.next_token(ctx)
+        assert (got is None) if want is None else (got in want), (ctx, want, got)
+        proposed += got is not None
+    assert proposed > 100
+
+
+def test_longest_context_decides_and_weak_ones_stop():
+    answers = [[5, 1, 2, 3], [6, 1, 2, 4], [6, 1, 2, 4], [7, 1, 2, 4]]
+    corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], vocab_size=10)
+    assert corpus.draft([5, 1, 2], 3) == [3]  # [5, 1, 2] -> 3, though [1, 2] -> 4 more often
+    assert corpus.draft([9, 1, 2], 3) == [4]  # unknown [9, 1, 2]: [1, 2] decides
+    assert corpus.draft([6], 5) == [1, 2, 4]  # a chain, ending where the answer did (no context after 4)
+    flat = NgramCorpus([1, 2, SEP, 1, 3, SEP, 1, 4, SEP, 1, 5, SEP], vocab_size=10, min_ratio=0.4)
+    assert flat.draft([1], 2) == []  # 1 is followed by four tokens equally: too weak to propose
+    assert NgramCorpus([1, 2, SEP, 1, 3, SEP, 1, 2, SEP], vocab_size=10, min_count=3).draft([1], 2) == []
+
+
+def test_contexts_never_cross_answers():
+    corpus = NgramCorpus([1, 2, SEP, 3, 4, SEP], vocab_size=5)
+    assert corpus.draft([2], 2) == []  # 2 ended its answer: nothing follows it
+    assert corpus.draft([1], 3) == [2] and corpus.draft([3], 3) == [4]
+    assert corpus.draft([2, 3], 1) == [4]  # [2, 3] never occurs inside an answer: [3] decides
+
+
+def test_save_load_and_vocabulary(tmp_path):
+    path = tmp_path / "c.npz"
+    NgramCorpus.save(path, [[1, 2, 3], [1, 2, 4], [1, 2, 3]], vocab_size=7)
+    assert corpus_vocab_size(path) == 7
+    c = NgramCorpus.load(path)
+    assert c.num_tokens == 9 and c.draft([1], 4) == [2, 3]
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        NgramCorpus([1, 2, 5], vocab_size=3)
+    assert NgramCorpus(np.zeros(0, dtype=np.int32), vocab_size=3).draft([1], 2) == []
+
+
+def test_worker_refuses_a_corpus_of_a_larger_vocabulary(tiny_dir):
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    target = load_model(tiny_dir)
+    with pytest.raises(ValueError, match="another model"):
+        TargetWorker(target, 1, 64, corpus=NgramCorpus([0, 1], vocab_size=target.args.vocab_size + 1))
