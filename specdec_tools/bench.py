@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from specdec.adaptive import speedup_bound
 from specdec.engine import EngineConfig, LLMEngine
-from specdec.loader import fast_dtype, load_hf_model, load_model, load_tokenizer, parse_dtype
+from specdec.corpus import NgramCorpus
+from specdec.loader import fast_dtype, load_hf_model, load_model, load_tokenizer, parse_dtype, resolve_corpus
 from specdec.prompts import encode_chat
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.sampling import SamplingParams
@@ -79,10 +80,11 @@ class Row:
 
 
 def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0,
-               lookup=0, ngram_k=0, temperature=0.0, seed=None):
-    """`lookup` > 0: plain rounds of 8 steps whose greedy rows verify that many prompt-lookup
-    tokens per step (k = 0, the proposer only enables it). `temperature` > 0 samples (with `seed`)."""
-    eng = LLMEngine(TargetWorker(model, batch, 2048), proposer, tok,
+               lookup=0, ngram_k=0, temperature=0.0, seed=None, corpus=None):
+    """`lookup` > 0: plain rounds of 8 steps whose rows verify that many lookup tokens per step
+    (continued from `corpus` if given; with k = 0 the proposer only enables them). `temperature`
+    > 0 samples (with `seed`)."""
+    eng = LLMEngine(TargetWorker(model, batch, 2048, corpus=corpus), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
                                  speculate=proposer is not None and (k > 0 or lookup > 0), siblings_max_batch=siblings,
                                  plain_steps=8 if lookup else 1, lookup_k=lookup, lookup_max_batch=batch,
@@ -108,20 +110,22 @@ def cost_ratio(stats, plain_step: float) -> float:
 
 
 def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0,
-                 lookup: int = 0, ngram_k: int = 0) -> list[Row]:
+                 lookup: int = 0, ngram_k: int = 0, corpus=None) -> list[Row]:
     """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured;
-    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds; `ngram_k`: the
-    hybrid's prompt-lookup rows may draft that long."""
+    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds (and with `corpus`,
+    that continued from the corpus, and each draft's adaptive rounds with those lookups in their
+    plain rounds: the service's configuration); `ngram_k`: the hybrid's prompt-lookup rows may
+    draft that long."""
     rows = []
     base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
     plain_step = st.target_time / st.rounds
     rows.append(Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st)))
     bar.update()
-    if lookup:
-        out, dt, st = run_engine(model, tok, prompts, NgramProposer(), 0, batch, max_tokens, lookup=lookup)
-        rows.append(Row(f"plain + lookup {lookup}", batch, 0, sum(map(len, out)), dt,
-                        st.lookup_accepted / max(1, st.lookup_proposed), 1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted),
-                        0.0, out == base, **_times(st)))
+    for c in ([None, corpus] if corpus is not None else [None]) if lookup else []:
+        out, dt, st = run_engine(model, tok, prompts, NgramProposer(), 0, batch, max_tokens, lookup=lookup, corpus=c)
+        rows.append(Row(f"plain + lookup {lookup}" + (" + corpus" if c is not None else ""), batch, 0,
+                        sum(map(len, out)), dt, st.lookup_accepted / max(1, st.lookup_proposed),
+                        1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted), 0.0, out == base, **_times(st)))
         bar.update()
     for name, make in [("ngram", lambda: NgramProposer())] + [
             (n, (lambda f=f: f(batch))) for n, f in drafts]:
@@ -137,6 +141,12 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblin
         rows.append(Row(f"{name} adaptive", batch, -1, sum(map(len, out)), dt, st.acceptance_rate,
                         st.mean_accepted_length, 0.0, out == base, **_times(st)))
         bar.update()
+        if lookup and corpus is not None and name != "ngram":
+            out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True,
+                                     siblings=siblings, ngram_k=ngram_k, lookup=lookup, corpus=corpus)
+            rows.append(Row(f"{name} adaptive + lookup {lookup} + corpus", batch, -1, sum(map(len, out)), dt,
+                            st.acceptance_rate, st.mean_accepted_length, 0.0, out == base, **_times(st)))
+            bar.update()
     return rows
 
 
@@ -200,6 +210,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--lookup", type=int, default=0, help="also measure plain decoding with this many prompt-lookup "
                     "tokens per step verified inside 8-step plain rounds (0: not measured)")
+    ap.add_argument("--corpus", help="with --lookup: also continue lookups from this corpus (a path or a shipped "
+                    "name, e.g. smollm2-corpus), alone and in each draft's adaptive rounds")
     ap.add_argument("--ngram-k", type=int, default=0, help="at batch 1 (the service's lookup_max_batch): the "
                     "hybrid's prompt-lookup rows draft up to this many tokens (0: k)")
     ap.add_argument("--siblings", type=int, default=0, help="siblings_max_batch: batches up to this size also "
@@ -219,7 +231,9 @@ def main(argv=None) -> None:
     ks = [int(x) for x in a.ks.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     kinds = prompt_kinds(tok, a.prompts)
-    per_batch = 2 + len(drafts) * (len(ks) + 1) + len(ks) - 1 + (1 if a.lookup else 0)
+    corpus = NgramCorpus.load(resolve_corpus(a.corpus)) if a.corpus and a.lookup else None
+    per_batch = (2 + len(drafts) * (len(ks) + 1) + len(ks) - 1 + (1 if a.lookup else 0)
+                 + (1 + len(drafts) if corpus is not None else 0))
     total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
     bar = tqdm(total=total, desc="benchmark")
     print(f"target={a.target} dtype={a.dtype} device={a.device} max_tokens={a.max_tokens} threads={torch.get_num_threads()}"
@@ -230,13 +244,15 @@ def main(argv=None) -> None:
         rows, plain = [], {}
         for b in batches:
             if b == 1:  # batch 1: the prompts one after another
-                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings, a.lookup, a.ngram_k)
+                rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings, a.lookup, a.ngram_k,
+                                   corpus)
                       for p in prompts]
                 merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
                 bar.update(per_batch)
             else:
                 batch_prompts = (prompts * b)[:b]  # b concurrent sequences (prompts reused if fewer)
-                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar, a.siblings, a.lookup)
+                merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar, a.siblings, a.lookup,
+                                      corpus=corpus)
             plain[b] = merged[0].tps
             rows += merged
         if not a.no_hf:

@@ -82,3 +82,21 @@ def test_worker_refuses_a_corpus_of_a_larger_vocabulary(tiny_dir):
     target = load_model(tiny_dir)
     with pytest.raises(ValueError, match="another model"):
         TargetWorker(target, 1, 64, corpus=NgramCorpus([0, 1], vocab_size=target.args.vocab_size + 1))
+
+
+def test_specdec_corpus_reads_answers_at_the_chosen_temperatures(tiny_dir, tmp_path):
+    import json
+    from specdec_tools.corpus import main
+    rows = [{"prompt": [9, 8, 7, 1, 2], "output": [3, 4, 5], "temperature": 0.0},
+            {"prompt": [1, 2], "output": [3, 6], "temperature": 1.0},  # not kept
+            {"topic": "a question, no answer"}]
+    (tmp_path / "answers.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp_path / "more.jsonl").write_text(json.dumps({"prompt": [2], "output": [3, 4, 6], "temperature": 0.7}) + "\n")
+    out = tmp_path / "c.npz"
+    main(["--answers", str(tmp_path), "--target", str(tiny_dir), "--out", str(out), "--prompt-tail", "2"])
+    with np.load(out) as f:
+        assert f["tokens"].tolist() == [1, 2, 3, 4, 5, SEP, 2, 3, 4, 6, SEP]
+    c = NgramCorpus.load(out)
+    d = c.draft([2], 3)
+    assert d[:2] == [3, 4] and d[2] in (5, 6)  # 4 -> 5 and 4 -> 6 tie at 50% (>= 40%): either
+    assert c.draft([9, 1, 2], 1) == [3]
