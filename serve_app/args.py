@@ -21,7 +21,8 @@ from serve_app.telemetry import TracingConfig
 from specdec.eagle_draft import feature_layers
 
 DRAFT_PROPOSERS = frozenset({"draft", "eagle", "hybrid"})  # proposers that read a draft checkpoint
-LOOKUP_MAX_BATCH_WITHOUT_CORPUS = 4  # see SchedulingConfig.lookup_max_batch
+# prompt lookup alone pays in small rounds only, and longer there (SchedulingConfig.lookup_k, lookup_max_batch)
+LOOKUP_WITHOUT_CORPUS = {"lookup_max_batch": 4, "lookup_k": 4}
 
 
 class ApiConfig(BaseModel):
@@ -94,8 +95,9 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         if self.lookup_corpus == "auto":
             from specdec.loader import bundled_corpus_for
             self.lookup_corpus = bundled_corpus_for(self.target)
-        if not self.lookup_corpus and "lookup_max_batch" not in self.model_fields_set:
-            self.lookup_max_batch = LOOKUP_MAX_BATCH_WITHOUT_CORPUS  # prompt lookup alone pays in small rounds only
+        for key, value in LOOKUP_WITHOUT_CORPUS.items() if not self.lookup_corpus else ():
+            if key not in self.model_fields_set:
+                setattr(self, key, value)
         if self.proposer in DRAFT_PROPOSERS and not self.draft:
             raise ValueError(f"proposer={self.proposer!r} needs draft=PATH (a checkpoint with the target's tokenizer)")
         if self.draft and self.proposer not in DRAFT_PROPOSERS:

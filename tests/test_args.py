@@ -93,8 +93,10 @@ def test_lookup_corpus_auto_is_the_demo_targets_and_is_checked(tiny_dir, tmp_pat
     assert AppArgs(target=str(tiny_dir)).lookup_corpus is None  # no corpus for other targets
     assert AppArgs(lookup_corpus="none").lookup_corpus is None
     # lookups in whole lanes with a corpus; prompt lookup alone only pays in small rounds
-    assert AppArgs().lookup_max_batch == 8 and AppArgs(target=str(tiny_dir)).lookup_max_batch == 4
-    assert AppArgs(target=str(tiny_dir), lookup_max_batch=8).lookup_max_batch == 8
+    assert (AppArgs().lookup_max_batch, AppArgs().lookup_k) == (8, 2)
+    assert (AppArgs(target=str(tiny_dir)).lookup_max_batch, AppArgs(target=str(tiny_dir)).lookup_k) == (4, 4)
+    assert AppArgs(target=str(tiny_dir), lookup_max_batch=8, lookup_k=3).model_dump(
+        include={"lookup_max_batch", "lookup_k"}) == {"lookup_max_batch": 8, "lookup_k": 3}  # set by the user: kept
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(tiny_dir).vocab_size
     ok, big = tmp_path / "ok.npz", tmp_path / "big.npz"
