@@ -133,9 +133,15 @@ class CostModel:
         return s is not None and s < 1.0
 
     def speculation_wins(self, batch: int) -> bool:
-        """Speculative rounds measurably yield more tokens/s than plain ones at this bucket."""
+        """Speculative rounds measurably yield more tokens/s than plain ones at this bucket, and
+        more tokens per round: a speculative round costs at least a plain one, so one that emits
+        no more than a plain round cannot win, and a measured "win" without it is timing noise
+        (a stalled plain round) that must not turn a useless draft back on."""
         s = self.measured_speedup(batch)
-        return s is not None and s > self.win_margin
+        if s is None or s <= self.win_margin:
+            return False
+        b = self.bucket(batch)
+        return self.throughput[(b, True)][0] > self.throughput[(b, False)][0]
 
     def throttle(self, batch: int) -> bool:
         """True: plan this round plain (speculation measurably loses at this bucket); every

@@ -1,4 +1,6 @@
 """Adaptive k: acceptance estimates, batch-size-aware costs, switching off and probing."""
+import pytest
+
 from specdec.adaptive import AdaptiveConfig, AdaptiveK, CostModel, expected_tokens, speedup_bound
 
 
@@ -220,3 +222,16 @@ def test_safeguard_measures_plain_rounds_first():
         cost.observe(0, 0.0, 0, 0.05, batch=1)
         cost.observe_throughput(1, False, 1, 0.05)
     assert not cost.needs_plain_round(1) and cost.measured_speedup(1) is None  # no speculative rounds yet
+
+
+@pytest.mark.parametrize("spec_tokens, wins", [(1, False), (3, True)])
+def test_a_measured_win_needs_more_tokens_per_round(spec_tokens, wins):
+    """Plain rounds that stalled (a GC pause, a neighbour's burst) make speculative rounds look
+    5x faster; with a useless draft they emit no more tokens per round than plain ones, so that
+    "win" is noise and must not override the model (CI saw a random draft speculate 59% of rounds)."""
+    cost = CostModel(throughput_min_rounds=2)
+    for _ in range(4):
+        cost.observe_throughput(1, False, 1, 0.05)
+        cost.observe_throughput(1, True, spec_tokens, 0.01)
+    assert cost.measured_speedup(1) > 1.5
+    assert cost.speculation_wins(1) is wins
