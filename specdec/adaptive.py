@@ -22,6 +22,12 @@ probing round every `throttle_probe_every` rounds of that bucket, whose measurem
 speculation come back when it wins again. The same measurement also corrects the model the other
 way: while speculative rounds measurably yield more than plain ones (`speculation_wins`, by a
 margin), rows whose model says k = 0 speculate anyway, with the model's best k >= 1.
+
+Probing has a floor too (`cannot_pay`): once a bucket's measured costs say that no k would beat a
+plain round even at acceptance 0.9 (E(k) tokens for `round_cost(k)`), as for 16 rows on a 2-core
+CPU, where a probe's draft call catches up on every row's tokens since the last one and costs
+more than a plain step, a probe cannot find a row worth speculating for and only costs a dear
+round: adaptive rows stay plain there, and one probe every `recheck_every` rounds re-measures.
 """
 from __future__ import annotations
 
@@ -61,7 +67,8 @@ class CostModel:
 
     def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
                  recalibrate_every: int = 64, throughput_ema: float = 0.3, throughput_min_rounds: int = 4,
-                 throttle_probe_every: int = 16, win_margin: float = 1.1):
+                 throttle_probe_every: int = 16, win_margin: float = 1.1, recheck_every: int = 256,
+                 ceiling_acceptance: float = 0.9):
         self.ema, self.recalibrate_every = ema, recalibrate_every
         # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
@@ -72,6 +79,9 @@ class CostModel:
         self.draft_step: dict[int, float] = {}  # B -> seconds per draft forward
         self.target: dict[tuple[int, int], float] = {}  # (B, K) -> seconds per target round
         self.plain_seen: dict[int, int] = {}  # B -> round index of the last plain round
+        self.spec_seen: dict[int, int] = {}  # B -> round index of the last speculative round
+        self.recheck_every = recheck_every  # cannot_pay: rounds before a hopeless bucket is probed again
+        self.ceiling_acceptance = ceiling_acceptance  # cannot_pay: the best acceptance a probe could find
         self.rounds = 0
         self.prior_c, self.prior_slope = prior_c, prior_verify_slope
         self.acc_succ, self.acc_trials = 0.0, 0.0  # workload acceptance: the prior of new sequences
@@ -101,6 +111,8 @@ class CostModel:
         self.target[(batch, k_max)] = self._upd(self.target.get((batch, k_max)), target_time)
         if k_max == 0:
             self.plain_seen[batch] = self.rounds
+        else:
+            self.spec_seen[batch] = self.rounds
 
     # ---- the measured safeguard: tokens per second of speculative vs plain rounds --------------
     def observe_throughput(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
@@ -151,6 +163,22 @@ class CostModel:
         b = self.bucket(batch)
         n = self.throttled_rounds[b] = self.throttled_rounds.get(b, 0) + 1
         return n % self.throttle_probe_every != 0
+
+    def cannot_pay(self, batch: int, k_max: int, has_model: bool = True) -> bool:
+        """True when this bucket's measured costs say that no k in 1..k_max beats a plain round
+        even at per-token acceptance `ceiling_acceptance` (E(k) / round_cost(k) <= 1): probing is
+        pointless. Only once whole speculative rounds were measured here too (the safeguard's
+        `throughput_min_rounds`), so that `speculation_wins` can overrule the model; and not
+        once every `recheck_every` rounds (contention may have inflated the costs)."""
+        b = self.bucket(batch)
+        if (b, 0) not in self.target or b not in self.spec_seen or k_max < 1:
+            return False
+        if self._throughput_rounds(b, True) < self.throughput_min_rounds or self.speculation_wins(batch):
+            return False
+        if self.rounds - self.spec_seen[b] >= self.recheck_every:
+            return False
+        a = self.ceiling_acceptance
+        return max(expected_tokens(a, k) / self.round_cost(k, has_model, batch) for k in range(1, k_max + 1)) <= 1.0
 
     def needs_plain_round(self, batch: int) -> bool:
         """True when t(B, 0) is unknown or stale: the next round should be plain to measure it."""

@@ -154,7 +154,8 @@ class Scheduler:
         # such a round comes, rows choose from the costs measured so far, never stuck at k = 0.
         calibrate = (self.cfg.speculate and self.cfg.adaptive and not prefill and self.cost.needs_plain_round(B)
                      and not any(self.pinned_k(s) for s in seqs))
-        throttle = self.cfg.speculate and self.cfg.adaptive and not calibrate and self.cost.throttle(B)
+        throttle = self.cfg.speculate and self.cfg.adaptive and not calibrate and (
+            self.cost.cannot_pay(B, self.cfg.k_max, self.proposer_has_model) or self.cost.throttle(B))
         ks = self._choose_ks(seqs, calibrate, throttle)
         K = max(ks)
         self.plain_run = 0 if K else self.plain_run + 1

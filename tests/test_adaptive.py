@@ -105,10 +105,12 @@ def test_calibration_waits_for_a_round_without_prefill():
     assert sum(k > 0 for k in ks[3:]) >= 20, ks
 
 
-def _run_rejected_rounds(sched: Scheduler, rounds: int, join: dict[int, int]) -> list[list[int]]:
-    """Rounds in which every draft is rejected (drafts and longer verifies cost more), with the
-    throughput safeguard out of the way, so that only the rows' own probes bring drafts;
-    `join[r]` rows join before round r. Returns each round's k per row."""
+def _run_rejected_rounds(sched: Scheduler, rounds: int, join: dict[int, int],
+                         verify_slope: float = 0.05) -> list[list[int]]:
+    """Rounds in which every draft is rejected (drafts and longer verifies cost more: a verify of
+    K drafts costs 1 + verify_slope * K plain steps), with the throughput safeguard out of the
+    way, so that only the rows' own probes bring drafts; `join[r]` rows join before round r.
+    Returns each round's k per row."""
     sched.cost.speculation_wins = sched.cost.throttle = lambda batch: False
     history = []
     for r in range(rounds):
@@ -119,7 +121,7 @@ def _run_rejected_rounds(sched: Scheduler, rounds: int, join: dict[int, int]) ->
         K = max(ks)
         draft = DraftOutput(torch.full((len(ks), K), 7), list(ks), draft_steps=K)
         sched.target_batch(plan, draft)
-        t = 0.05 * (1 + 0.05 * K)
+        t = 0.05 * (1 + verify_slope * K)
         sched.commit(plan, draft, VerifyOutput([[7]] * len(ks), [0] * len(ks)), 0.002 * K, t, t)
         history.append(list(ks))
     return history
@@ -139,6 +141,24 @@ def test_rows_of_a_batch_probe_together():
     single = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))  # batch 1: probes as before
     alone = _run_rejected_rounds(single, 40 + 8 * interval, join={0: 1})[40:]
     assert sum(max(ks) > 0 for ks in alone) == len(alone) // interval, alone
+
+
+def test_no_probes_where_no_k_could_pay():
+    """16 rows on a 2-core CPU: a verify costs about the positions it computes (K drafts: 1 + K
+    plain steps), so no k pays even at acceptance 0.9 and a probe only costs a dear round. Once
+    that is measured (and whole speculative rounds too: `throughput_min_rounds`), adaptive rows
+    stay plain but for one re-measuring probe every `recheck_every` rounds; where verifying is
+    cheap, probes go on as before."""
+    dear = Scheduler(SchedulerConfig(max_batch_size=16, k_max=4))
+    history = _run_rejected_rounds(dear, 400, join={0: 16}, verify_slope=1.0)
+    spec = [r for r, ks in enumerate(history) if max(ks) > 0]
+    assert dear.cost.cannot_pay(16, 4)
+    assert len(spec) <= dear.cost.throughput_min_rounds + 2, spec  # the first probes measure; one more after recheck_every (256)
+    assert any(r > 256 for r in spec), spec
+    cheap = Scheduler(SchedulerConfig(max_batch_size=16, k_max=4))
+    history = _run_rejected_rounds(cheap, 400, join={0: 16})
+    assert not cheap.cost.cannot_pay(16, 4)
+    assert sum(max(ks) > 0 for ks in history) >= 400 // cheap.adaptive_cfg.probe_interval - 2
 
 
 def test_lowering_k_max_applies_to_running_sequences():
