@@ -101,8 +101,9 @@ class NgramCorpus:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def next_token(self, context: list[int]) -> int | None:
-        """The corpus's next token after `context`'s longest known tail, if it is frequent enough."""
+    def next_token(self, context: list[int], min_ratio: float | None = None) -> int | None:
+        """The corpus's next token after `context`'s longest known tail, if it is frequent enough
+        (`min_ratio`: this call's threshold instead of the corpus's)."""
         q = np.array(_query_keys(context, self.max_n), dtype=np.uint64)
         if not len(q) or not len(self.keys):
             return None
@@ -112,13 +113,14 @@ class NgramCorpus:
             return None
         p = pos[hit[-1]]  # the longest tail the corpus holds decides
         c = int(self.count[p])
-        return int(self.next[p]) if c >= self.min_count and c >= self.min_ratio * int(self.total[p]) else None
+        ratio = self.min_ratio if min_ratio is None else min_ratio
+        return int(self.next[p]) if c >= self.min_count and c >= ratio * int(self.total[p]) else None
 
-    def draft(self, context: list[int], k: int) -> list[int]:
+    def draft(self, context: list[int], k: int, min_ratio: float | None = None) -> list[int]:
         """Up to k tokens continuing `context`, each the corpus's next token after the ones before."""
         ctx, out = list(context[-self.max_n:]), []
         while len(out) < k:
-            x = self.next_token(ctx)
+            x = self.next_token(ctx, min_ratio)
             if x is None:
                 break
             out.append(x)

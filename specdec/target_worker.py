@@ -92,7 +92,8 @@ class TargetWorker:
         """A multi-step plain round: row i runs `steps[i]` forwards, fewer after a stop token. With
         `batch.lookup`, each forward of a row also verifies up to lookup[i] tokens found by prompt
         lookup in its own context (Saxena 2023): more than one token per forward where the text
-        repeats itself (at most budget[i] in the round), and no proposer call. The row's e-th token
+        repeats itself (at most budget[i] in the round), and no proposer call; with a corpus, rows
+        of a batch fill the step's padding positions (`_fill`). The row's e-th token
         of the round is drawn with the uniforms of column e (its position's, as a plain round
         would), and lookups are checked against those draws (`coupled_verify`; argmax for greedy
         rows): the tokens are plain decoding's, greedy or sampled, token for token."""
@@ -100,6 +101,8 @@ class TargetWorker:
         while go:
             drafts = [self._lookup(batch, i, st, len(out.tokens[i])) for i, st in go]
             K = max(map(len, drafts))
+            if K and self.corpus is not None and len(go) > 1:
+                drafts = self._fill(batch, go, drafts, K, out)
             tokens = torch.zeros(len(go), K, dtype=torch.long)  # [b, K]
             for r, d in enumerate(drafts):
                 tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
@@ -117,14 +120,29 @@ class TargetWorker:
                   and not any(t in batch.stop_ids[i] for t in out.tokens[i])]
         out.steps = j
 
-    def _lookup(self, batch: SpecBatch, i: int, st, emitted: int) -> list[int]:
-        """Lookup drafts for row i of a multi-step round (up to `batch.lookup[i]`), within what
-        the row may still emit this round and its cache's room: prompt lookup in its own context,
-        continued from the corpus (if any) where that ends short."""
+    def _room(self, batch: SpecBatch, i: int, st, emitted: int) -> int:
+        """Lookup tokens row i may verify in this step: `batch.lookup[i]`, within what the row may
+        still emit this round and its cache's room."""
         if not batch.lookup or not batch.lookup[i]:
-            return []
-        room = min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
+            return 0
+        return min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
+
+    def _lookup(self, batch: SpecBatch, i: int, st, emitted: int) -> list[int]:
+        """Lookup drafts for row i of a multi-step round: prompt lookup in its own context,
+        continued from the corpus (if any) where that ends short."""
+        room = self._room(batch, i, st, emitted)
         return lookup_draft(st.tokens, room, self.corpus) if room > 0 else []
+
+    def _fill(self, batch: SpecBatch, go: list, drafts: list[list[int]], K: int, out: VerifyOutput) -> list[list[int]]:
+        """The step's forward computes K + 1 positions for every row anyway (padding): rows whose
+        confident lookups end short continue with the corpus's likeliest tokens up to K, which
+        costs nothing and is verified like any lookup."""
+        filled = []
+        for (i, st), d in zip(go, drafts):
+            n = min(K, self._room(batch, i, st, len(out.tokens[i])))
+            filled.append(d + self.corpus.draft(st.tokens[-self.corpus.max_n:] + d, n - len(d), min_ratio=0.0)
+                          if n > len(d) else d)
+        return filled
 
     @staticmethod
     def _draws(batch: SpecBatch, i: int, e: int, n: int) -> torch.Tensor:

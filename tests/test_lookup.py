@@ -120,6 +120,32 @@ def test_corpus_lookups_keep_plain_tokens_in_fewer_forwards(tiny_dir, tiny_tok, 
     assert steps["own"] < steps["none"] and steps["own"] <= sum(map(len, ref)) // 2
 
 
+def test_padding_positions_take_the_corpus_likeliest_tokens(tiny_dir, tiny_tok):
+    """A step's forward computes K + 1 positions for every row when one row has K confident
+    lookups: a row whose own lookups end short fills those positions with the corpus's likeliest
+    tokens (below `min_ratio`), free of cost. Alone, that row proposes nothing; batched with a
+    confident row its fills are tried and kept where right; the output stays plain decoding's."""
+    from specdec.corpus import NgramCorpus
+    target = load_model(tiny_dir)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS[2:]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = [s.output_ids for s in engine(target, tiny_tok, plain_steps=1).generate(prompts, params)]
+    sure, vague = (p[-6:] + r for p, r in zip(prompts, ref))
+    V = target.args.vocab_size
+    # vague: every 6-token context of the answer is followed by its right token 2 times in 6 (below 40%)
+    wrong = [[*vague[i - 6:i], (vague[i] + j) % V] for i in range(6, len(vague)) for j in range(1, 5)]
+    corpus = NgramCorpus([t for a in [sure, vague, vague, *wrong] for t in (*a, -1)], V)
+    alone = []
+    for p, r in zip(prompts, ref):
+        eng = engine(target, tiny_tok, lookup_k=4, batch=1, corpus=corpus)
+        assert [s.output_ids for s in eng.generate([p], params)] == [r]
+        alone.append(eng.stats.lookup_accepted)
+    both = engine(target, tiny_tok, lookup_k=4, batch=2, corpus=corpus)
+    assert [s.output_ids for s in both.generate(prompts, params)] == ref
+    assert alone[0] > 20 and alone[1] < 5  # the sure row's lookups hit; the vague row's are not tried
+    assert both.stats.lookup_accepted >= alone[0] + alone[1] + 10  # fills of the vague row hit
+
+
 def test_lookup_only_up_to_its_batch_size(tiny_dir, tiny_tok):
     target = load_model(tiny_dir)
     prompts = [tiny_tok(p).input_ids for p in PROMPTS]

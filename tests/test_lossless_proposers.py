@@ -265,10 +265,23 @@ def test_sampled_prompt_lookup_is_lossless(models, case):
     assert min(pv) > ALPHA, pv
 
 
+class _CountFills(TargetWorker):
+    """Counts the lookup tokens that filled padding positions (TargetWorker._fill)."""
+    filled = 0
+
+    def _fill(self, batch, go, drafts, K, out):
+        new = super()._fill(batch, go, drafts, K, out)
+        type(self).filled += sum(len(n) - len(d) for n, d in zip(new, drafts))
+        return new
+
+
+@pytest.mark.parametrize("min_ratio", [0.0, 0.4], ids=["any", "confident+fills"])
 @pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
-def test_sampled_corpus_lookup_is_lossless(models, case):
+def test_sampled_corpus_lookup_is_lossless(models, case, min_ratio):
     """Lookups from a corpus of the target's own sampled answers (specdec.corpus), on prompts that
-    never repeat a token: every lookup draft is the corpus's."""
+    never repeat a token: every lookup draft is the corpus's. With the default `min_ratio`, rows
+    whose confident drafts end short fill the step's padding positions with the corpus's likeliest
+    tokens (TargetWorker._fill): that path is driven here too."""
     from specdec.corpus import SEP, NgramCorpus
     ref, target = models[:2]
     prompts = [DISTINCT, DISTINCT[::-1]]
@@ -276,10 +289,12 @@ def test_sampled_corpus_lookup_is_lossless(models, case):
                     EngineConfig(max_batch_size=BATCH, max_model_len=64, speculate=False), eos_token_ids=[])
     answers = [p[-3:] + s.output_ids for p in prompts for s in eng.generate(
         [p] * BATCH, [SamplingParams(max_tokens=STEPS, temperature=1.0, seed=10**6 + i) for i in range(BATCH)])]
-    corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], V, min_ratio=0.0)
-    pv, st = _sample_lookup(ref, target, seed0=70_000 + 1000 * CASES.index(case), case=case, prompts=prompts,
-                            corpus=corpus)
+    corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], V, min_ratio=min_ratio)
+    _CountFills.filled = 0
+    pv, st = _sample_lookup(ref, target, _CountFills, seed0=70_000 + 1000 * CASES.index(case), case=case,
+                            prompts=prompts, corpus=corpus)
     assert st.lookup_accepted > N // 10 and st.lookup_proposed > st.lookup_accepted  # both paths taken
+    assert (_CountFills.filled > N // 10) == (min_ratio > 0)
     assert min(pv) > ALPHA, pv
 
 
