@@ -128,10 +128,12 @@ class CostModel:
     def _throughput_rounds(self, bucket: int, speculative: bool) -> int:
         return int(self.throughput.get((bucket, speculative), (0, 0, 0))[2])
 
-    def measured_speedup(self, batch: int) -> float | None:
-        """Speculative rounds' tokens/s over plain rounds' at this bucket; None until both are measured."""
+    def measured_speedup(self, batch: int, min_spec_rounds: int | None = None) -> float | None:
+        """Speculative rounds' tokens/s over plain rounds' at this bucket; None until both are
+        measured (`throughput_min_rounds` each, or `min_spec_rounds` speculative ones)."""
         b = self.bucket(batch)
-        if min(self._throughput_rounds(b, s) for s in (True, False)) < self.throughput_min_rounds:
+        need = self.throughput_min_rounds if min_spec_rounds is None else min_spec_rounds
+        if self._throughput_rounds(b, False) < self.throughput_min_rounds or self._throughput_rounds(b, True) < need:
             return None
         (ts, ss, _), (tp, sp, _) = self.throughput[(b, True)], self.throughput[(b, False)]
         return (ts / ss) / (tp / sp) if tp > 0 else None
@@ -167,13 +169,15 @@ class CostModel:
     def cannot_pay(self, batch: int, k_max: int, has_model: bool = True) -> bool:
         """True when this bucket's measured costs say that no k in 1..k_max beats a plain round
         even at per-token acceptance `ceiling_acceptance` (E(k) / round_cost(k) <= 1): probing is
-        pointless. Only once whole speculative rounds were measured here too (the safeguard's
-        `throughput_min_rounds`), so that `speculation_wins` can overrule the model; and not
-        once every `recheck_every` rounds (contention may have inflated the costs)."""
+        pointless. Only while the whole speculative rounds measured here so far (one is enough)
+        yielded fewer tokens/s than plain ones, so that measurements can overrule the model (see
+        `speculation_wins`); and not once every `recheck_every` rounds (contention may have
+        inflated the costs)."""
         b = self.bucket(batch)
         if (b, 0) not in self.target or b not in self.spec_seen or k_max < 1:
             return False
-        if self._throughput_rounds(b, True) < self.throughput_min_rounds or self.speculation_wins(batch):
+        measured = self.measured_speedup(batch, min_spec_rounds=1)
+        if measured is None or measured >= 1.0:
             return False
         if self.rounds - self.spec_seen[b] >= self.recheck_every:
             return False

@@ -146,14 +146,14 @@ def test_rows_of_a_batch_probe_together():
 def test_no_probes_where_no_k_could_pay():
     """16 rows on a 2-core CPU: a verify costs about the positions it computes (K drafts: 1 + K
     plain steps), so no k pays even at acceptance 0.9 and a probe only costs a dear round. Once
-    that is measured (and whole speculative rounds too: `throughput_min_rounds`), adaptive rows
+    that is measured (and one whole speculative round yielded less than plain ones), adaptive rows
     stay plain but for one re-measuring probe every `recheck_every` rounds; where verifying is
     cheap, probes go on as before."""
     dear = Scheduler(SchedulerConfig(max_batch_size=16, k_max=4))
     history = _run_rejected_rounds(dear, 400, join={0: 16}, verify_slope=1.0)
     spec = [r for r, ks in enumerate(history) if max(ks) > 0]
     assert dear.cost.cannot_pay(16, 4)
-    assert len(spec) <= dear.cost.throughput_min_rounds + 2, spec  # the first probes measure; one more after recheck_every (256)
+    assert len(spec) <= 3, spec  # the first round or two measure; one more probe after recheck_every (256)
     assert any(r > 256 for r in spec), spec
     cheap = Scheduler(SchedulerConfig(max_batch_size=16, k_max=4))
     history = _run_rejected_rounds(cheap, 400, join={0: 16})
