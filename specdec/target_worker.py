@@ -99,10 +99,11 @@ class TargetWorker:
         rows): the tokens are plain decoding's, greedy or sampled, token for token."""
         go, j = list(zip(rows, states)), 0
         while go:
-            drafts = [self._lookup(batch, i, st, len(out.tokens[i])) for i, st in go]
+            rooms = [self._room(batch, i, st, len(out.tokens[i])) for i, st in go]
+            drafts = [lookup_draft(st.tokens, room, self.corpus) if room > 0 else [] for (_, st), room in zip(go, rooms)]
             K = max(map(len, drafts))
             if K and self.corpus is not None and len(go) > 1:
-                drafts = self._fill(batch, go, drafts, K, out)
+                drafts = self._fill([st for _, st in go], drafts, [min(K, room) for room in rooms])
             tokens = torch.zeros(len(go), K, dtype=torch.long)  # [b, K]
             for r, d in enumerate(drafts):
                 tokens[r, : len(d)] = torch.tensor(d, dtype=torch.long)
@@ -121,28 +122,19 @@ class TargetWorker:
         out.steps = j
 
     def _room(self, batch: SpecBatch, i: int, st, emitted: int) -> int:
-        """Lookup tokens row i may verify in this step: `batch.lookup[i]`, within what the row may
-        still emit this round and its cache's room."""
+        """Lookup tokens row i may verify in this step of a multi-step round (prompt lookup in its
+        own context, continued from the corpus where that ends short): `batch.lookup[i]`, within
+        what the row may still emit this round and its cache's room."""
         if not batch.lookup or not batch.lookup[i]:
             return 0
         return min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
 
-    def _lookup(self, batch: SpecBatch, i: int, st, emitted: int) -> list[int]:
-        """Lookup drafts for row i of a multi-step round: prompt lookup in its own context,
-        continued from the corpus (if any) where that ends short."""
-        room = self._room(batch, i, st, emitted)
-        return lookup_draft(st.tokens, room, self.corpus) if room > 0 else []
-
-    def _fill(self, batch: SpecBatch, go: list, drafts: list[list[int]], K: int, out: VerifyOutput) -> list[list[int]]:
+    def _fill(self, states: list, drafts: list[list[int]], sizes: list[int]) -> list[list[int]]:
         """The step's forward computes K + 1 positions for every row anyway (padding): rows whose
-        confident lookups end short continue with the corpus's likeliest tokens up to K, which
-        costs nothing and is verified like any lookup."""
-        filled = []
-        for (i, st), d in zip(go, drafts):
-            n = min(K, self._room(batch, i, st, len(out.tokens[i])))
-            filled.append(d + self.corpus.draft(st.tokens[-self.corpus.max_n:] + d, n - len(d), min_ratio=0.0)
-                          if n > len(d) else d)
-        return filled
+        confident lookups end short of their size (K, within their room) continue with the
+        corpus's likeliest tokens, which costs nothing and is verified like any lookup."""
+        return [d + self.corpus.draft(st.tokens[-self.corpus.max_n:] + d, n - len(d), min_ratio=0.0) if n > len(d) else d
+                for st, d, n in zip(states, drafts, sizes)]
 
     @staticmethod
     def _draws(batch: SpecBatch, i: int, e: int, n: int) -> torch.Tensor:

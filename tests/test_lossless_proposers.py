@@ -269,8 +269,8 @@ class _CountFills(TargetWorker):
     """Counts the lookup tokens that filled padding positions (TargetWorker._fill)."""
     filled = 0
 
-    def _fill(self, batch, go, drafts, K, out):
-        new = super()._fill(batch, go, drafts, K, out)
+    def _fill(self, states, drafts, sizes):
+        new = super()._fill(states, drafts, sizes)
         type(self).filled += sum(len(n) - len(d) for n, d in zip(new, drafts))
         return new
 
