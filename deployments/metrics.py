@@ -99,6 +99,7 @@ REQUESTS_FINISHED = "specdec_requests"
 PROMPT_TOKENS = "specdec_prompt_tokens"
 COMPLETION_TOKENS = "specdec_completion_tokens"
 LOOKUP_TOKENS = "specdec_lookup_tokens"
+DRAFT_FAILURES = "specdec_draft_call_failures"
 LOOKUP_ACCEPTED_TOKENS = "specdec_lookup_accepted_tokens"
 ACCEPTANCE_RATE = "specdec_acceptance_rate"
 MEAN_ACCEPTED_LENGTH = "specdec_mean_accepted_length"
@@ -123,6 +124,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the target."),
     MetricSpec(LOOKUP_TOKENS, "counter", "Prompt-lookup tokens verified inside multi-step plain rounds."),
     MetricSpec(LOOKUP_ACCEPTED_TOKENS, "counter", "Prompt-lookup tokens the target accepted."),
+    MetricSpec(DRAFT_FAILURES, "counter", "Draft calls that failed or timed out, by exception type (each turns "
+               "its lane's drafts off for draft_backoff_s).", tag_keys=("error",)),
     MetricSpec(REQUESTS_STARTED, "counter", "Requests admitted."),
     MetricSpec(REQUESTS_FINISHED, "counter", "Requests finished, by finish reason.",
                tag_keys=("finish_reason",)),
@@ -282,6 +285,9 @@ class RouterMetrics:
         w.add(now, len(num_draft), proposed, accepted, emitted, spec_rows, pos_p, pos_a)
         w.evict(now)
         self._publish_window()
+
+    def record_draft_failure(self, error: str) -> None:
+        self._m[DRAFT_FAILURES].inc(tags={"error": error})
 
     def record_queue(self, waiting: int, running: int) -> None:
         self._waiting, self._running = int(waiting), int(running)

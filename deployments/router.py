@@ -143,6 +143,7 @@ class SpecRouter:
         self.stats = SpecStats()  # one statistics object for all lanes (each lane's scheduler records here)
         self.proposer_has_model = self.cfg.proposer_has_model
         self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
+        self.draft_failures: dict[str, int] = {}  # failed Draft calls by exception type (each: a lane without drafts)
         self.rounds_by_target: dict[str, int] = {}  # target replica id -> rounds it verified
         self.metrics = self._make_metrics()
         self._background: set[asyncio.Task] = set()  # releases re-delivered after a failed call
@@ -414,6 +415,10 @@ class SpecRouter:
             # The pin stays: a live replica keeps (and later frees) the lane's draft state; a dead
             # one is no longer a candidate and the affinity router picks another.
             log.warning("draft call failed (%r); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
+            kind = type(e).__name__
+            self.draft_failures[kind] = self.draft_failures.get(kind, 0) + 1
+            if self.metrics:
+                self.metrics.record_draft_failure(kind)
             # the releases it carried may not have arrived (a timeout leaves a live, slow replica):
             # deliver them again with the next call (releasing twice is harmless)
             lane.pending_draft_release = list(batch.release) + lane.pending_draft_release
@@ -487,6 +492,7 @@ class SpecRouter:
                  running=sum(len(l.scheduler.running) for l in self.lanes),
                  tasks=len(asyncio.all_tasks()),
                  draft_resyncs=self.resyncs["draft"], target_resyncs=self.resyncs["target"],
+                 draft_failures=dict(self.draft_failures),
                  lane_targets=[l.target_pin for l in self.lanes], lane_drafts=[l.draft_pin for l in self.lanes],
                  rounds_by_target=dict(self.rounds_by_target))  # debug: asyncio tasks of this replica (leak checks)
         return d

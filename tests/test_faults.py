@@ -411,6 +411,7 @@ async def test_router_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_w
         await asyncio.sleep(0.02)
     assert seq.output_ids == plain  # greedy: unchanged by the lost drafts
     assert draft.failed >= 1 and draft.calls > draft.failed + 3  # it failed, then speculation resumed
+    assert sum(router.engine_stats()["draft_failures"].values()) == draft.failed  # counted (/stats), not only logged
     assert seq.proposed > 0
     assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side
 
