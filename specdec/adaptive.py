@@ -21,7 +21,14 @@ rounds yield fewer (`speculation_loses`), the scheduler keeps adaptive rows plai
 probing round every `throttle_probe_every` rounds of that bucket, whose measurement lets
 speculation come back when it wins again. The same measurement also corrects the model the other
 way: while speculative rounds measurably yield more than plain ones (`speculation_wins`, by a
-margin), rows whose model says k = 0 speculate anyway, with the model's best k >= 1.
+margin), rows whose model says k = 0 speculate anyway, with the model's best k >= 1. The
+safeguard averages a round's seconds over a few recent rounds (costs move with the machine) and
+its tokens over more (they vary with acceptance from one round to the next, which each row's k
+already follows).
+
+Costs are measured per k, not assumed: verifying more positions can cost less (kernel cliffs),
+so a k never measured at a bucket is priced as the longest measured one below it (`verify_cost`)
+and the round that picks it measures it.
 
 Probing has a floor too (`cannot_pay`): once a bucket's measured costs say that no k would beat a
 plain round even at acceptance 0.9 (E(k) tokens for `round_cost(k)`), as for 16 rows on a 2-core
@@ -62,17 +69,17 @@ class CostModel:
     All EMAs, batch sizes bucketed by powers of two. A verify over K+1 positions per row costs t(B, K) / t(B, 0) plain rounds: cheap
     where the target is memory-bound (batch 1, bf16), expensive where it is compute-bound (large
     batches in float32), so the right k depends on B. t(B, 0) is re-measured by an occasional
-    plain round (`needs_plain_round`); unmeasured K are interpolated from measured ones.
+    plain round (`needs_plain_round`); unmeasured K are priced optimistically (`verify_cost`).
     """
 
     def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
-                 recalibrate_every: int = 64, throughput_ema: float = 0.3, throughput_min_rounds: int = 4,
+                 recalibrate_every: int = 64, throughput_ema: float = 0.3, tokens_ema: float = 0.1, throughput_min_rounds: int = 4,
                  throttle_probe_every: int = 16, win_margin: float = 1.1, recheck_every: int = 256,
-                 ceiling_acceptance: float = 0.9):
-        self.ema, self.recalibrate_every = ema, recalibrate_every
+                 ceiling_acceptance: float = 0.9, calibration_spacing: int = 4):
+        self.ema, self.recalibrate_every, self.calibration_spacing = ema, recalibrate_every, calibration_spacing
         # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
-        self.throughput_ema, self.throughput_min_rounds = throughput_ema, throughput_min_rounds
+        self.throughput_ema, self.tokens_ema, self.throughput_min_rounds = throughput_ema, tokens_ema, throughput_min_rounds
         self.throttle_probe_every = throttle_probe_every
         self.win_margin = win_margin  # measured speedup above which speculation overrides the model
         self.throttled_rounds: dict[int, int] = {}  # bucket -> rounds planned plain by the safeguard
@@ -117,13 +124,22 @@ class CostModel:
     # ---- the measured safeguard: tokens per second of speculative vs plain rounds --------------
     def observe_throughput(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
         """A round's outcome: `tokens` emitted over all rows in `seconds` of wall time as the loop
-        paid it (in the service: hops included)."""
+        paid it (in the service: hops included). Seconds are averaged over ~1/`throughput_ema`
+        recent rounds, tokens over ~1/`tokens_ema` (more), the first rounds by their plain mean:
+        a round's cost changes with the machine (contention, a hop), and the safeguard must follow
+        it, but a speculative round's tokens vary with acceptance (1 to k + 1 from one round to
+        the next), and a window of a few rounds turned speculation off on every dip of acceptance,
+        which the rows' own k already answers."""
         if seconds <= 0:
             return
         key = (self.bucket(batch), speculative)
-        old, e = self.throughput.get(key), self.throughput_ema
-        self.throughput[key] = [tokens, seconds, 1] if old is None else [
-            (1 - e) * old[0] + e * tokens, (1 - e) * old[1] + e * seconds, old[2] + 1]
+        old = self.throughput.get(key)
+        if old is None:
+            self.throughput[key] = [tokens, seconds, 1]
+            return
+        n = old[2] + 1
+        et, es = max(self.tokens_ema, 1.0 / n), max(self.throughput_ema, 1.0 / n)  # first rounds: their mean
+        self.throughput[key] = [(1 - et) * old[0] + et * tokens, (1 - es) * old[1] + es * seconds, n]
 
     def _throughput_rounds(self, bucket: int, speculative: bool) -> int:
         return int(self.throughput.get((bucket, speculative), (0, 0, 0))[2])
@@ -185,12 +201,21 @@ class CostModel:
         return max(expected_tokens(a, k) / self.round_cost(k, has_model, batch) for k in range(1, k_max + 1)) <= 1.0
 
     def needs_plain_round(self, batch: int) -> bool:
-        """True when t(B, 0) is unknown or stale: the next round should be plain to measure it."""
+        """True when t(B, 0) is unknown or stale: the next round should be plain to measure it.
+
+        t(B, 0), the unit of every cost at this bucket, takes one plain round. The safeguard's
+        further `throughput_min_rounds` plain rounds come one per `calibration_spacing` rounds,
+        not in a row: every bucket a batch passes through (rows join and finish) would otherwise
+        open with that many plain rounds, and a short-lived bucket would spend most of its life
+        on them (in-process batches of 6 answers: ~1/5 of all rounds)."""
         b = self.bucket(batch)
         seen = self.plain_seen.get(b)
+        if seen is None:
+            return True
+        since = self.rounds - seen
         if self._throughput_rounds(b, False) < self.throughput_min_rounds:
-            return True  # the safeguard needs plain rounds' tokens/s to compare with
-        return seen is None or self.rounds - seen >= self.recalibrate_every
+            return since >= self.calibration_spacing  # the safeguard needs plain rounds' tokens/s
+        return since >= self.recalibrate_every
 
     def c(self, batch: int = 1) -> float:
         """Draft step cost / plain target round cost at batch size B."""
@@ -201,19 +226,27 @@ class CostModel:
         return step / base
 
     def verify_cost(self, k: int, batch: int = 1) -> float:
-        """Cost of a round whose rows verify k drafts, relative to a plain round (>= 1)."""
+        """Cost of a round whose rows verify k drafts, relative to a plain round (>= 1).
+
+        A k never measured at this bucket is priced optimistically, as the longest measured verify
+        below it: a verify's cost is not linear in its positions (GEMM kernels change with the row
+        count; float32 on one 2-core EPYC: 2 positions 1.42x a step, 3 1.58x, 4 1.26x), so
+        extrapolating from a short verify could price a cheaper long one out forever. Optimism
+        costs at most one round per k: the round that picks it measures it."""
         batch = self.bucket(batch)
         base = self.target.get((batch, 0))
         if k == 0:
             return 1.0
         if base:
-            known = sorted((kk, t) for (b, kk), t in self.target.items() if b == batch and kk > 0)
-            if known:
-                exact = dict(known)
-                if k in exact:
-                    return max(1.0, exact[k] / base)
-                kk, t = min(known, key=lambda x: abs(x[0] - k))  # nearest measured K, linear in k
-                return max(1.0, 1.0 + (t / base - 1.0) * k / kk)
+            known = dict(sorted((kk, t / base) for (b, kk), t in self.target.items() if b == batch and kk > 0))
+            if k in known:
+                return max(1.0, known[k])
+            below = [kk for kk in known if kk < k]
+            if below:  # optimistic: no dearer than the longest measured verify below it (see docstring)
+                return max(1.0, known[below[-1]])
+            if known:  # only longer ones measured: linear from a plain round to the nearest
+                kk = min(known)
+                return max(1.0, 1.0 + (known[kk] - 1.0) * k / kk)
         return 1.0 + self.prior_slope * k
 
     def round_cost(self, k: int, has_model: bool = True, batch: int = 1) -> float:

@@ -203,7 +203,17 @@ class Scheduler:
         ks = [self.choose_k(s, B, calibrate, throttle, probe=B == 1) for s in seqs]
         if B > 1 and (max(ks) > 0 or self.plain_run + 1 >= self.adaptive_cfg.probe_interval):
             ks = [k or self.choose_k(s, B, calibrate, throttle) for s, k in zip(seqs, ks)]
+        K = max(ks)
+        if B > 1 and K > 0:  # the round drafts K steps and verifies K + 1 positions for every row anyway
+            ks = [max(k, min(K, s.remaining - 1)) if self._rides_along(s) else k for s, k in zip(seqs, ks)]
         return ks
+
+    def _rides_along(self, seq: Sequence) -> bool:
+        """In a round that drafts K tokens, an adaptive row whose own k is shorter drafts K too: its
+        extra drafts fill positions the batch's verify computes anyway (rows are padded to K + 1)
+        and ride on draft steps the longest row takes anyway, so they cost nearly nothing and
+        whatever they get accepted is gained. Pinned rows keep their k."""
+        return self.cfg.speculate and self.cfg.adaptive and not self.pinned_k(seq)
 
     def _plain_steps(self, seqs: list[Sequence], prefill: bool) -> list[int] | None:
         """Tokens per row of a multi-step plain round, or None for one step: not while a prompt
