@@ -86,7 +86,8 @@ class CostModel:
         self.draft_step: dict[int, float] = {}  # B -> seconds per draft forward
         self.target: dict[tuple[int, int], float] = {}  # (B, K) -> seconds per target round
         self.plain_seen: dict[int, int] = {}  # B -> round index of the last plain round
-        self.spec_seen: dict[int, int] = {}  # B -> round index of the last speculative round
+        self.spec_seen: dict[int, int] = {}  # B -> the bucket's own round count at its last speculative round
+        self.bucket_rounds: dict[int, int] = {}  # B -> rounds observed at this bucket
         self.recheck_every = recheck_every  # cannot_pay: rounds before a hopeless bucket is probed again
         self.ceiling_acceptance = ceiling_acceptance  # cannot_pay: the best acceptance a probe could find
         self.rounds = 0
@@ -113,13 +114,14 @@ class CostModel:
     def observe(self, k_max: int, draft_time: float, draft_steps: int, target_time: float, batch: int = 1) -> None:
         batch = self.bucket(batch)
         self.rounds += 1
+        n = self.bucket_rounds[batch] = self.bucket_rounds.get(batch, 0) + 1
         if draft_steps > 0:
             self.draft_step[batch] = self._upd(self.draft_step.get(batch), draft_time / draft_steps)
         self.target[(batch, k_max)] = self._upd(self.target.get((batch, k_max)), target_time)
         if k_max == 0:
             self.plain_seen[batch] = self.rounds
         else:
-            self.spec_seen[batch] = self.rounds
+            self.spec_seen[batch] = n
 
     # ---- the measured safeguard: tokens per second of speculative vs plain rounds --------------
     def observe_throughput(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
@@ -187,15 +189,16 @@ class CostModel:
         even at per-token acceptance `ceiling_acceptance` (E(k) / round_cost(k) <= 1): probing is
         pointless. Only while the whole speculative rounds measured here so far (one is enough)
         yielded fewer tokens/s than plain ones, so that measurements can overrule the model (see
-        `speculation_wins`); and not once every `recheck_every` rounds (contention may have
-        inflated the costs)."""
+        `speculation_wins`); and not once every `recheck_every` rounds of this bucket (contention
+        may have inflated the costs; rounds at other batch sizes re-measure nothing here, and
+        counting them had a lane of 16 probe again after every run at concurrency 1)."""
         b = self.bucket(batch)
         if (b, 0) not in self.target or b not in self.spec_seen or k_max < 1:
             return False
         measured = self.measured_speedup(batch, min_spec_rounds=1)
         if measured is None or measured >= 1.0:
             return False
-        if self.rounds - self.spec_seen[b] >= self.recheck_every:
+        if self.bucket_rounds[b] - self.spec_seen[b] >= self.recheck_every:
             return False
         a = self.ceiling_acceptance
         return max(expected_tokens(a, k) / self.round_cost(k, has_model, batch) for k in range(1, k_max + 1)) <= 1.0

@@ -202,6 +202,25 @@ def test_no_probes_where_no_k_could_pay():
     assert sum(max(ks) > 0 for ks in history) >= 400 // cheap.adaptive_cfg.probe_interval - 2
 
 
+def test_rounds_at_other_batch_sizes_do_not_bring_a_hopeless_probe_back():
+    """The re-measuring probe of a bucket where no k can pay comes after `recheck_every` rounds of
+    that bucket, not of any: a service alternating between 16 rows and single requests would
+    otherwise probe again at 16 after every stretch of single requests."""
+    cost = CostModel()
+    for _ in range(4):
+        cost.observe(0, 0.0, 0, 0.080, batch=16)
+        cost.observe_throughput(16, False, 16, 0.080)
+    cost.observe(1, 0.120, 1, 0.160, batch=16)  # a draft step dearer than a plain step
+    cost.observe_throughput(16, True, 20, 0.280)
+    assert cost.cannot_pay(16, 4)
+    for _ in range(300):
+        cost.observe(0, 0.0, 0, 0.040, batch=1)
+    assert cost.cannot_pay(16, 4)
+    for _ in range(cost.recheck_every):
+        cost.observe(0, 0.0, 0, 0.080, batch=16)
+    assert not cost.cannot_pay(16, 4)
+
+
 def test_lowering_k_max_applies_to_running_sequences():
     sched = Scheduler(SchedulerConfig(max_batch_size=2, k_max=4))
     seq = sched.add(_seq(temperature=0))
