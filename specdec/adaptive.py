@@ -73,13 +73,15 @@ class CostModel:
     """
 
     def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
-                 recalibrate_every: int = 64, throughput_ema: float = 0.3, tokens_ema: float = 0.1, throughput_min_rounds: int = 4,
+                 recalibrate_every: int = 64, throughput_ema: float = 0.3, tokens_ema: float = 0.1, throughput_min_rows: int = 4,
                  throttle_probe_every: int = 16, win_margin: float = 1.1, recheck_every: int = 256,
                  ceiling_acceptance: float = 0.9, calibration_spacing: int = 4):
         self.ema, self.recalibrate_every, self.calibration_spacing = ema, recalibrate_every, calibration_spacing
         # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
-        self.throughput_ema, self.tokens_ema, self.throughput_min_rounds = throughput_ema, tokens_ema, throughput_min_rounds
+        # rows of speculative and of plain rounds each before the safeguard judges a bucket: 4 rounds
+        # of one row, one of 4 rows or more (a lane of 8 used to pay 4 losing rounds before it did)
+        self.throughput_ema, self.tokens_ema, self.throughput_min_rows = throughput_ema, tokens_ema, throughput_min_rows
         self.throttle_probe_every = throttle_probe_every
         self.win_margin = win_margin  # measured speedup above which speculation overrides the model
         self.throttled_rounds: dict[int, int] = {}  # bucket -> rounds planned plain by the safeguard
@@ -131,29 +133,31 @@ class CostModel:
         a round's cost changes with the machine (contention, a hop), and the safeguard must follow
         it, but a speculative round's tokens vary with acceptance (1 to k + 1 from one round to
         the next), and a window of a few rounds turned speculation off on every dip of acceptance,
-        which the rows' own k already answers."""
+        which the rows' own k already answers. The evidence counts rows: a round of B rows holds
+        B rows' acceptance (see `throughput_min_rows`)."""
         if seconds <= 0:
             return
         key = (self.bucket(batch), speculative)
         old = self.throughput.get(key)
         if old is None:
-            self.throughput[key] = [tokens, seconds, 1]
+            self.throughput[key] = [tokens, seconds, 1, batch]
             return
         n = old[2] + 1
         et, es = max(self.tokens_ema, 1.0 / n), max(self.throughput_ema, 1.0 / n)  # first rounds: their mean
-        self.throughput[key] = [(1 - et) * old[0] + et * tokens, (1 - es) * old[1] + es * seconds, n]
+        self.throughput[key] = [(1 - et) * old[0] + et * tokens, (1 - es) * old[1] + es * seconds, n, old[3] + batch]
 
-    def _throughput_rounds(self, bucket: int, speculative: bool) -> int:
-        return int(self.throughput.get((bucket, speculative), (0, 0, 0))[2])
+    def _throughput_rows(self, bucket: int, speculative: bool) -> int:
+        """Rows (rounds times their rows) whose outcome the bucket's measurement holds."""
+        return int(self.throughput.get((bucket, speculative), (0, 0, 0, 0))[3])
 
-    def measured_speedup(self, batch: int, min_spec_rounds: int | None = None) -> float | None:
+    def measured_speedup(self, batch: int, min_spec_rows: int | None = None) -> float | None:
         """Speculative rounds' tokens/s over plain rounds' at this bucket; None until both are
-        measured (`throughput_min_rounds` each, or `min_spec_rounds` speculative ones)."""
+        measured (`throughput_min_rows` rows each, or `min_spec_rows` speculative ones)."""
         b = self.bucket(batch)
-        need = self.throughput_min_rounds if min_spec_rounds is None else min_spec_rounds
-        if self._throughput_rounds(b, False) < self.throughput_min_rounds or self._throughput_rounds(b, True) < need:
+        need = self.throughput_min_rows if min_spec_rows is None else min_spec_rows
+        if self._throughput_rows(b, False) < self.throughput_min_rows or self._throughput_rows(b, True) < need:
             return None
-        (ts, ss, _), (tp, sp, _) = self.throughput[(b, True)], self.throughput[(b, False)]
+        (ts, ss, *_), (tp, sp, *_) = self.throughput[(b, True)], self.throughput[(b, False)]
         return (ts / ss) / (tp / sp) if tp > 0 else None
 
     def measured_speedups(self) -> dict[int, float]:
@@ -195,7 +199,7 @@ class CostModel:
         b = self.bucket(batch)
         if (b, 0) not in self.target or b not in self.spec_seen or k_max < 1:
             return False
-        measured = self.measured_speedup(batch, min_spec_rounds=1)
+        measured = self.measured_speedup(batch, min_spec_rows=1)
         if measured is None or measured >= 1.0:
             return False
         if self.bucket_rounds[b] - self.spec_seen[b] >= self.recheck_every:
@@ -207,7 +211,7 @@ class CostModel:
         """True when t(B, 0) is unknown or stale: the next round should be plain to measure it.
 
         t(B, 0), the unit of every cost at this bucket, takes one plain round. The safeguard's
-        further `throughput_min_rounds` plain rounds come one per `calibration_spacing` rounds,
+        further plain rounds (`throughput_min_rows` rows in all) come one per `calibration_spacing` rounds,
         not in a row: every bucket a batch passes through (rows join and finish) would otherwise
         open with that many plain rounds, and a short-lived bucket would spend most of its life
         on them (in-process batches of 6 answers: ~1/5 of all rounds)."""
@@ -216,7 +220,7 @@ class CostModel:
         if seen is None:
             return True
         since = self.rounds - seen
-        if self._throughput_rounds(b, False) < self.throughput_min_rounds:
+        if self._throughput_rows(b, False) < self.throughput_min_rows:
             return since >= self.calibration_spacing  # the safeguard needs plain rounds' tokens/s
         return since >= self.recalibrate_every
 

@@ -46,7 +46,7 @@ def test_a_cheaper_longer_verify_behind_a_kernel_cliff_is_found():
 
 
 def test_plain_round_recalibration():
-    cost = CostModel(recalibrate_every=3, throughput_min_rounds=0)  # (the safeguard's own plain rounds: below)
+    cost = CostModel(recalibrate_every=3, throughput_min_rows=0)  # (the safeguard's own plain rounds: below)
     assert cost.needs_plain_round(4)
     cost.observe(0, 0.0, 0, 0.05, batch=4)
     assert not cost.needs_plain_round(4)
@@ -296,7 +296,7 @@ def test_throughput_safeguard_leaves_pinned_rows_alone():
 
 
 def test_safeguard_measures_plain_rounds_first():
-    cost = CostModel(throughput_min_rounds=2)
+    cost = CostModel(throughput_min_rows=2)
     assert cost.needs_plain_round(1)
     for _ in range(2):
         cost.observe(0, 0.0, 0, 0.05, batch=1)
@@ -309,7 +309,7 @@ def test_a_measured_win_needs_more_tokens_per_round(spec_tokens, wins):
     """Plain rounds that stalled (a GC pause, a neighbour's burst) make speculative rounds look
     5x faster; with a useless draft they emit no more tokens per round than plain ones, so that
     "win" is noise and must not override the model (CI saw a random draft speculate 59% of rounds)."""
-    cost = CostModel(throughput_min_rounds=2)
+    cost = CostModel(throughput_min_rows=2)
     for _ in range(4):
         cost.observe_throughput(1, False, 1, 0.05)
         cost.observe_throughput(1, True, spec_tokens, 0.01)
@@ -330,3 +330,18 @@ def test_a_dip_of_acceptance_does_not_turn_a_winning_draft_off():
         loses.append(cost.speculation_loses(1))
     assert not any(loses[12:])
     assert 1.1 < cost.measured_speedup(1) < 1.6
+
+
+def test_the_safeguard_weighs_a_round_by_its_rows():
+    """A speculative round of 8 rows holds 8 rows' acceptance: one such round that yields a quarter
+    of a plain round's tokens/s is evidence enough (a lane of 8 used to pay four losing rounds in
+    the service before the safeguard judged); one round of a single row is not."""
+    lane = CostModel()
+    lane.observe_throughput(8, False, 64, 1.0)
+    lane.observe_throughput(8, True, 10, 0.6)
+    assert lane.speculation_loses(8)
+    alone = CostModel()
+    for _ in range(4):
+        alone.observe_throughput(1, False, 1, 0.05)
+    alone.observe_throughput(1, True, 1, 0.2)
+    assert alone.measured_speedup(1) is None and not alone.speculation_loses(1)
