@@ -48,23 +48,16 @@ class PreviousCostModel(CostModel):
             return max(1.0, 1.0 + (known[kk] / base - 1.0) * k / kk)
         return 1.0 + self.prior_slope * k
 
-    def _rounds(self, b: int, speculative: bool) -> int:
-        return int(self.throughput.get((b, speculative), (0, 0, 0, 0))[2])
+    def _throughput_rows(self, bucket: int, speculative: bool) -> int:
+        """Rounds, whatever their rows, as the safeguard counted its evidence then."""
+        return int(self.throughput.get((bucket, speculative), (0, 0, 0, 0))[2])
 
     def needs_plain_round(self, batch: int) -> bool:
         b = self.bucket(batch)
-        if self._rounds(b, False) < self.throughput_min_rows:
-            return True
+        if self._throughput_rows(b, False) < self.throughput_min_rows:
+            return True  # calibration rounds in a row
         seen = self.plain_seen.get(b)
         return seen is None or self.rounds - seen >= self.recalibrate_every
-
-    def measured_speedup(self, batch: int, min_spec_rows: int | None = None) -> float | None:
-        b = self.bucket(batch)
-        need = self.throughput_min_rows if min_spec_rows is None else min_spec_rows
-        if self._rounds(b, False) < self.throughput_min_rows or self._rounds(b, True) < need:
-            return None
-        (ts, ss, *_), (tp, sp, *_) = self.throughput[(b, True)], self.throughput[(b, False)]
-        return (ts / ss) / (tp / sp) if tp > 0 else None
 
 
 CONFIGS = {  # name -> (adaptive, k, cost model class, rows draft along)
