@@ -73,11 +73,12 @@ class CostModel:
     """
 
     def __init__(self, prior_c: float = 0.1, prior_verify_slope: float = 0.15, ema: float = 0.2,
-                 recalibrate_every: int = 64, throughput_ema: float = 0.3, tokens_ema: float = 0.1, throughput_min_rows: int = 4,
+                 recalibrate_every: int = 64, throughput_ema: float = 0.3, tokens_ema: float = 0.1,
+                 throughput_min_rows: int = 4,
                  throttle_probe_every: int = 16, win_margin: float = 1.1, recheck_every: int = 256,
                  ceiling_acceptance: float = 0.9, calibration_spacing: int = 4):
         self.ema, self.recalibrate_every, self.calibration_spacing = ema, recalibrate_every, calibration_spacing
-        # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen]
+        # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen, rows seen]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
         # rows of speculative and of plain rounds each before the safeguard judges a bucket: 4 rounds
         # of one row, one of 4 rows or more (a lane of 8 used to pay 4 losing rounds before it did)
@@ -245,12 +246,12 @@ class CostModel:
         if k == 0:
             return 1.0
         if base:
-            known = dict(sorted((kk, t / base) for (b, kk), t in self.target.items() if b == batch and kk > 0))
+            known = {kk: t / base for (b, kk), t in self.target.items() if b == batch and kk > 0}
             if k in known:
                 return max(1.0, known[k])
-            below = [kk for kk in known if kk < k]
+            below = max((kk for kk in known if kk < k), default=0)
             if below:  # optimistic: no dearer than the longest measured verify below it (see docstring)
-                return max(1.0, known[below[-1]])
+                return max(1.0, known[below])
             if known:  # only longer ones measured: linear from a plain round to the nearest
                 kk = min(known)
                 return max(1.0, 1.0 + (known[kk] - 1.0) * k / kk)
