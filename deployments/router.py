@@ -488,7 +488,8 @@ class SpecRouter:
     # ---- introspection ------------------------------------------------------------------------
     def engine_stats(self) -> dict:
         d = self.stats.to_dict()
-        d.update(profile=self.profile.to_dict(), measured_speedup=self.cost.measured_speedups(), lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
+        d.update(profile=self.profile.to_dict(), measured_speedup=self.cost.measured_speedups(),
+                 lookup_gate=self.cost.lookups.to_dict(), lanes=len(self.lanes), queued=len(self.queue), replica=self.id, pid=os.getpid(),
                  running=sum(len(l.scheduler.running) for l in self.lanes),
                  tasks=len(asyncio.all_tasks()),
                  draft_resyncs=self.resyncs["draft"], target_resyncs=self.resyncs["target"],

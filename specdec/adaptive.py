@@ -96,6 +96,7 @@ class CostModel:
         self.rounds = 0
         self.prior_c, self.prior_slope = prior_c, prior_verify_slope
         self.acc_succ, self.acc_trials = 0.0, 0.0  # workload acceptance: the prior of new sequences
+        self.lookups = LookupGate()  # multi-step plain rounds: with or without prompt lookups
 
     def observe_acceptance(self, proposed: int, accepted: int, decay: float = 0.995) -> None:
         if proposed:
@@ -259,6 +260,80 @@ class CostModel:
 
     def round_cost(self, k: int, has_model: bool = True, batch: int = 1) -> float:
         return (k * self.c(batch) if has_model else 0.0) + self.verify_cost(k, batch)
+
+
+class LookupGate:
+    """Whether a multi-step plain round's rows verify prompt-lookup tokens, per batch bucket.
+
+    A lookup widens every forward of the round (each row carries up to `lookup_k` more positions)
+    and pays only with the tokens it gets accepted. What it gets depends on the text and on the
+    sampling: a greedy row takes the target's argmax, a sampled row at temperature 1 its draw,
+    which matches a lookup far less often (measured in process, bf16, lanes of 8: 25% of lookup
+    tokens accepted greedy, 11% at T = 1.0, and lookups turned a lane of 8 sampled rows from 1.0x
+    to 0.85x). So both sides are measured: the seconds per forward of multi-step rounds with and
+    without lookups at this bucket (EMAs; `cost`), and each row's accepted lookup tokens per
+    forward (`Sequence.lookup_gain`). A round carries lookups when its rows' mean gain exceeds
+    the measured extra cost of a forward, `cost - 1`. Until both sides are measured a bucket runs
+    a round with lookups (the configured behaviour) and then one without; afterwards every
+    `remeasure_every`-th multi-step round of the bucket takes the other choice, so the losing
+    side's time stays current. Lookups never change the output (their tokens are checked against
+    plain decoding's own draws), so this choice, which depends on timings, is free to.
+    """
+
+    def __init__(self, ema: float = 0.3, remeasure_every: int = 16, prior_gain: float = 0.5,
+                 prior_weight: float = 4.0, decay: float = 0.995):
+        self.ema, self.remeasure_every = ema, remeasure_every
+        self.step: dict[tuple[int, bool], float] = {}  # (bucket, lookups) -> EMA seconds per forward
+        self.rounds: dict[int, int] = {}  # bucket -> multi-step rounds planned
+        self.gated = 0  # multi-step rounds planned without lookups by this gate
+        self.prior_gain, self.prior_weight, self.decay = prior_gain, prior_weight, decay
+        self.hits, self.forwards = 0.0, 0.0  # the workload's recent lookup evidence: new rows' prior
+
+    def observe_row(self, forwards: int, hits: int) -> None:
+        """A row's lookups in a round: `hits` tokens accepted over `forwards` forwards that carried them."""
+        if forwards:
+            self.hits = self.decay * self.hits + hits
+            self.forwards = self.decay * self.forwards + forwards
+
+    def gain(self, hits: float, forwards: float) -> float:
+        """A row's accepted lookup tokens per forward from its own (decayed) evidence, behind
+        `prior_weight` forwards of the workload's recent gain (or `prior_gain` before there is any)."""
+        prior = self.hits / self.forwards if self.forwards >= 8 else self.prior_gain
+        return (hits + prior * self.prior_weight) / (forwards + self.prior_weight)
+
+    def observe(self, batch: int, lookups: bool, seconds_per_forward: float) -> None:
+        key = (CostModel.bucket(batch), lookups)
+        old = self.step.get(key)
+        self.step[key] = seconds_per_forward if old is None else (1 - self.ema) * old + self.ema * seconds_per_forward
+
+    def cost(self, batch: int) -> float | None:
+        """Seconds per forward with lookups over without, at this bucket (None: not both measured)."""
+        b = CostModel.bucket(batch)
+        on, off = self.step.get((b, True)), self.step.get((b, False))
+        return on / off if on and off else None
+
+    def to_dict(self) -> dict:
+        """For /stats: the measured cost of a forward with lookups per bucket, and the multi-step
+        rounds planned, of them without lookups."""
+        buckets = sorted({b for b, _ in self.step})
+        return {"cost": {b: round(c, 3) for b in buckets if (c := self.cost(b)) is not None},
+                "rounds": sum(self.rounds.values()), "rounds_without": self.gated}
+
+    def use(self, batch: int, gains: list[float]) -> bool:
+        """Plan this multi-step round with lookups? `gains`: each row's accepted lookup tokens per forward."""
+        b = CostModel.bucket(batch)
+        n = self.rounds[b] = self.rounds.get(b, 0) + 1
+        if (b, True) not in self.step:
+            return True
+        cost = self.cost(batch)
+        if cost is None:
+            want = False  # measure a round without lookups once
+        else:
+            want = sum(gains) / max(1, len(gains)) > cost - 1.0
+            if n % self.remeasure_every == 0:
+                want = not want
+        self.gated += not want
+        return want
 
 
 class AdaptiveK:

@@ -162,7 +162,7 @@ class Scheduler:
         steps = self._plain_steps(seqs, prefill) if K == 0 else None
         small = B <= self.cfg.lookup_max_batch  # prompt lookup pays in small rounds only
         ngram_k = [self._ngram_k(s, k) for s, k in zip(seqs, ks)] if K and B == 1 and small else None
-        lookup = [self._lookup_k(s, B) for s in seqs] if steps and small else None
+        lookup = self._lookups(seqs) if steps and small else None
         # a multi-step round's row emits up to steps * (1 + lookup) tokens, each drawing as a plain round would
         draws = [min(s.remaining, n * (1 + (lookup[i] if lookup else 0))) for i, (s, n) in enumerate(zip(seqs, steps))] \
             if steps else None
@@ -239,12 +239,30 @@ class Scheduler:
             return 0
         return self._request_cap(seq, max(self.cfg.lookup_k, self.cfg.ngram_k) if batch == 1 else self.cfg.lookup_k)
 
+    def _lookups(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each row's lookup tokens per forward in this multi-step plain round, or None: with the
+        adaptive policy, the round carries lookups only where their measured gain pays for the
+        wider forwards (`CostModel.lookups`, a LookupGate)."""
+        B = len(seqs)
+        ks = [self._lookup_k(s, B) for s in seqs]
+        if not (any(ks) and self.cfg.adaptive):
+            return ks
+        gate = self.cost.lookups
+        return ks if gate.use(B, [gate.gain(s.lookup_hits, s.lookup_forwards) for s in seqs]) else None
+
     def _ngram_k(self, seq: Sequence, k: int) -> int:
         """How long a greedy drafting row's prompt-lookup drafts may run: `ngram_k`, capped by the
         request (`_request_cap`) and what the row may still emit (k: no longer than that)."""
         if not (k and seq.params.greedy):
             return k
         return max(k, min(self._request_cap(seq, self.cfg.ngram_k), seq.remaining - 1))
+
+    def _observe_lookups(self, seq: Sequence, forwards: int, hits: int, decay: float = 0.9) -> None:
+        """A row's lookups in a multi-step round: its decayed gain evidence and the workload's."""
+        if forwards:
+            seq.lookup_hits = decay * seq.lookup_hits + hits
+            seq.lookup_forwards = decay * seq.lookup_forwards + forwards
+            self.cost.lookups.observe_row(forwards, hits)
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
@@ -278,6 +296,8 @@ class Scheduler:
             s.proposed += k
             s.accepted += m
             s.rounds += 1
+            if verify.lookup_rows is not None and plan.draft_batch.lookup:
+                self._observe_lookups(s, *verify.lookup_rows[i])
             if k == 0 and len(emitted) > 1:  # a multi-step plain round: one plain round per token
                 for _ in emitted:
                     s.adaptive.update(0, 0, 0)
@@ -291,6 +311,9 @@ class Scheduler:
         self.stats.lookup_proposed += verify.lookup_proposed
         self.stats.lookup_accepted += verify.lookup_accepted
         # wall times as the loop paid them (in the service they include the deployment hops)
+        if not plan.prefill and plan.draft_batch.steps and verify.steps > 1:
+            self.cost.lookups.observe(len(seqs), bool(plan.draft_batch.lookup) and any(plan.draft_batch.lookup),
+                                      target_time / verify.steps)
         if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,
                               target_time / verify.steps, len(seqs))  # t(B, K): per target forward

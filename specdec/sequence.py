@@ -40,6 +40,8 @@ class Sequence:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
+    lookup_hits: float = 0.0  # decayed: lookup tokens accepted in multi-step plain rounds (LookupGate)
+    lookup_forwards: float = 0.0  # decayed: forwards that carried this row's lookups
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     base_seed: int | None = None  # keys this sequence's uniforms (see sampling.round_uniforms)

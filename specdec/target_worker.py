@@ -98,6 +98,7 @@ class TargetWorker:
         would), and lookups are checked against those draws (`coupled_verify`; argmax for greedy
         rows): the tokens are plain decoding's, greedy or sampled, token for token."""
         go, j = list(zip(rows, states)), 0
+        lookups = out.lookup_rows = [(0, 0)] * len(batch)  # per row: (forwards with lookups, accepted)
         while go:
             rooms = [self._room(batch, i, st, len(out.tokens[i])) for i, st in go]
             drafts = [lookup_draft(st.tokens, room, self.corpus) if room > 0 else [] for (_, st), room in zip(go, rooms)]
@@ -111,11 +112,15 @@ class TargetWorker:
             for r, (i, _) in enumerate(go):
                 cols = self._draws(batch, i, len(out.tokens[i]), K + 1)
                 u[r, :, : cols.shape[1]] = cols
-            before = sum(out.num_accepted)
+            before = list(out.num_accepted)
             self._pass(batch, [i for i, _ in go], [st for _, st in go], drafts, tokens, None, K, u, out,
                        coupled=True)
             out.lookup_proposed += sum(map(len, drafts))
-            out.lookup_accepted += sum(out.num_accepted) - before
+            out.lookup_accepted += sum(out.num_accepted) - sum(before)
+            for i, _ in go:  # a forward of a round with lookups counts, whether or not the row found some
+                if batch.lookup and batch.lookup[i]:
+                    f, h = lookups[i]
+                    lookups[i] = (f + 1, h + out.num_accepted[i] - before[i])
             j += 1
             go = [(i, st) for i, st in go if j < batch.steps[i] and len(out.tokens[i]) < self._budget(batch, i)
                   and not any(t in batch.stop_ids[i] for t in out.tokens[i])]

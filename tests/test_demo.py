@@ -77,7 +77,7 @@ def test_demo_bf16_prompt_lookup_is_plain_greedy(demo_dir, demo_tok, demo_prompt
     for p, r in zip(demo_prompts, ref):  # one request at a time: lookup runs at batch 1
         eng = LLMEngine(TargetWorker(model, 1, 1024), NgramProposer(), demo_tok,
                         EngineConfig(max_batch_size=1, num_speculative_tokens=0, plain_steps=8, lookup_k=4,
-                                     lookup_max_batch=1))
+                                     lookup_max_batch=1, adaptive=False))
         out = eng.generate([p], SamplingParams(max_tokens=48, temperature=0))[0].output_ids
         assert out == r
         accepted += eng.stats.lookup_accepted
@@ -96,7 +96,7 @@ def test_demo_bf16_sampled_prompt_lookup_draws_what_plain_rounds_draw(demo_dir, 
     def run(lookup_k: int):
         eng = LLMEngine(TargetWorker(model, len(prompts), 1024), NgramProposer(), demo_tok,
                         EngineConfig(max_batch_size=len(prompts), num_speculative_tokens=0, plain_steps=8,
-                                     lookup_k=lookup_k, lookup_max_batch=len(prompts)))
+                                     lookup_k=lookup_k, lookup_max_batch=len(prompts), adaptive=False))
         return [s.output_ids for s in eng.generate(prompts, params)], eng.stats
 
     (ref, _), (out, st) = run(0), run(4)
@@ -119,7 +119,7 @@ def test_demo_bf16_shipped_corpus_lookups_are_plain_and_pay(demo_dir, demo_tok, 
     def run(lookup_k: int, corpus=None):
         eng = LLMEngine(TargetWorker(model, len(prompts), 1024, corpus=corpus), NgramProposer(), demo_tok,
                         EngineConfig(max_batch_size=len(prompts), num_speculative_tokens=0, plain_steps=8,
-                                     lookup_k=lookup_k, lookup_max_batch=len(prompts)))
+                                     lookup_k=lookup_k, lookup_max_batch=len(prompts), adaptive=False))
         return [s.output_ids for s in eng.generate(prompts, params)], eng.stats
 
     (ref, _), (alone, st0), (out, st) = run(0), run(4), run(4, corpus)

@@ -17,11 +17,13 @@ PROMPTS = ["a b c a b c a b", "def add(a, b):\n    return a + b\n\ndef add", "im
            "The weather today is"]
 
 
-def engine(target, tok, lookup_k=0, lookup_max_batch=8, batch=4, plain_steps=8, corpus=None):
-    """k_max 0 with a proposer present: every round is a plain one, prompt lookup on when asked."""
+def engine(target, tok, lookup_k=0, lookup_max_batch=8, batch=4, plain_steps=8, corpus=None, adaptive=False):
+    """k_max 0 with a proposer present: every round is a plain one, prompt lookup on when asked (in
+    every multi-step round: not `adaptive`, whose LookupGate decides by measured timings)."""
     return LLMEngine(TargetWorker(target, num_slots=batch, max_model_len=256, corpus=corpus), NgramProposer(), tok,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=0, plain_steps=plain_steps,
-                                  lookup_k=lookup_k, lookup_max_batch=lookup_max_batch))
+                                  lookup_k=lookup_k, lookup_max_batch=lookup_max_batch,
+                                  adaptive=adaptive))
 
 
 def count_forwards(eng):
@@ -172,7 +174,7 @@ def test_lookup_rounds_return_the_features_of_every_confirmed_position(tiny_dir,
     for prompt in PROMPTS:
         eng = LLMEngine(TargetWorker(target, num_slots=1, max_model_len=256), EagleProposer(draft, 1, 256), tiny_tok,
                         EngineConfig(max_batch_size=1, num_speculative_tokens=0, plain_steps=8, lookup_k=4,
-                                     lookup_max_batch=1))
+                                     lookup_max_batch=1, adaptive=False))
         calls = count_forwards(eng)
         seq = eng.generate([tiny_tok(prompt).input_ids], SamplingParams(max_tokens=64, temperature=0.0,
                                                                        ignore_eos=True))[0]
@@ -188,3 +190,57 @@ def test_lookup_rounds_return_the_features_of_every_confirmed_position(tiny_dir,
             pos = start + len(feats)
         assert pos == len(full) - 1  # every position but the newest token's
     assert accepted > 0
+
+
+def test_lookup_rows_count_each_rows_forwards_and_accepted_tokens(tiny_dir, tiny_tok):
+    """The target reports per row the forwards that carried its lookups and the lookup tokens it
+    accepted (the gain the scheduler's LookupGate weighs); their sums are the call's totals."""
+    target = load_model(tiny_dir)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    eng = engine(target, tiny_tok, lookup_k=4)
+    calls = count_forwards(eng)
+    eng.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    multi = [c for c in calls if c.lookup_rows is not None]
+    assert multi and sum(h for c in multi for _, h in c.lookup_rows) == eng.stats.lookup_accepted > 0
+    for c in multi:
+        assert sum(h for _, h in c.lookup_rows) == c.lookup_accepted
+        assert all(0 < f <= c.steps or (f, h) == (0, 0) for f, h in c.lookup_rows)
+    assert any(f for c in multi for f, _ in c.lookup_rows)
+    assert all(s.lookup_forwards > 0 for s in eng.scheduler.running) or not eng.scheduler.running
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+def test_gated_lookups_keep_plain_tokens(tiny_dir, tiny_tok, temperature, monkeypatch):
+    """Whether a round carries lookups depends on timings (LookupGate): any pattern of rounds with
+    and without them emits plain decoding's tokens (greedy, and seeded sampled rows; at a low
+    temperature the tiny random model repeats itself, so lookups are found and checked)."""
+    from specdec.adaptive import LookupGate
+    target = load_model(tiny_dir)
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=temperature, seed=5, ignore_eos=True)
+    ref = [s.output_ids for s in engine(target, tiny_tok, plain_steps=1).generate(prompts, params)]
+    flips = iter([True, False, False, True] * 20)
+    monkeypatch.setattr(LookupGate, "use", lambda self, batch, gains: next(flips))
+    eng = engine(target, tiny_tok, lookup_k=4, adaptive=True)
+    assert [s.output_ids for s in eng.generate(prompts, params)] == ref
+    assert eng.stats.lookup_proposed > 0
+
+
+def test_the_scheduler_drops_lookups_that_do_not_pay(tiny_dir, tiny_tok):
+    """With the adaptive policy, a multi-step round carries lookups only where the rows' measured
+    gain pays for the measured wider forwards; without it, always (the configured lookup_k)."""
+    from specdec.sequence import Sequence
+    eng = engine(load_model(tiny_dir), tiny_tok, lookup_k=2, adaptive=True)
+    sched, gate = eng.scheduler, eng.scheduler.cost.lookups
+    gate.step = {(4, True): 0.13, (4, False): 0.10}  # lookups make a forward 1.3x as dear
+    seqs = [Sequence([1, 2, 3], SamplingParams(max_tokens=20, temperature=1.0)) for _ in range(4)]
+    for s in seqs:
+        s.lookup_hits, s.lookup_forwards = 2.0, 20.0  # 0.1 tokens per forward (sampled rows)
+    assert sched._lookups(seqs) is None
+    for s in seqs:
+        s.lookup_hits = 10.0  # 0.5 (greedy rows on repetitive text)
+    assert sched._lookups(seqs) == [2, 2, 2, 2]
+    sched.cfg.adaptive = False
+    for s in seqs:
+        s.lookup_hits = 0.0
+    assert sched._lookups(seqs) == [2, 2, 2, 2]

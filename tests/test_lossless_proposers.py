@@ -246,7 +246,8 @@ def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0,
     multi-step round x2 and x3)."""
     eng = LLMEngine(worker(target, BATCH, 64, corpus=corpus), NgramProposer(), None,
                     EngineConfig(max_batch_size=BATCH, max_model_len=64, num_speculative_tokens=0,
-                                 plain_steps=STEPS, lookup_k=STEPS - 1, lookup_max_batch=BATCH), eos_token_ids=[])
+                                 plain_steps=STEPS, lookup_k=STEPS - 1, lookup_max_batch=BATCH, adaptive=False),
+                    eos_token_ids=[])
     out = []
     for lo in range(0, n, BATCH):
         params = [SamplingParams(max_tokens=STEPS, temperature=case[0], top_k=case[1], top_p=case[2],
