@@ -271,19 +271,21 @@ class LookupGate:
     which matches a lookup far less often (measured in process, bf16, lanes of 8: 25% of lookup
     tokens accepted greedy, 11% at T = 1.0, and lookups turned a lane of 8 sampled rows from 1.0x
     to 0.85x). So both sides are measured: the seconds per forward of multi-step rounds with and
-    without lookups at this bucket (EMAs; `cost`), and each row's accepted lookup tokens per
+    without lookups at this bucket (slow EMAs; `cost`), and each row's accepted lookup tokens per
     forward (`Sequence.lookup_gain`). A round carries lookups when its rows' mean gain exceeds
-    the measured extra cost of a forward, `cost - 1`. Until both sides are measured a bucket runs
-    a round with lookups (the configured behaviour) and then one without; afterwards every
+    the measured extra cost of a forward, `cost - 1`. Until each side has `min_samples` rounds a
+    bucket alternates, lookups first (one early round, slowed by the streams a new lane opens,
+    turned a lane of greedy rows' lookups off for a whole run); afterwards every
     `remeasure_every`-th multi-step round of the bucket takes the other choice, so the losing
     side's time stays current. Lookups never change the output (their tokens are checked against
     plain decoding's own draws), so this choice, which depends on timings, is free to.
     """
 
-    def __init__(self, ema: float = 0.3, remeasure_every: int = 16, prior_gain: float = 0.5,
+    def __init__(self, ema: float = 0.1, remeasure_every: int = 16, min_samples: int = 3, prior_gain: float = 0.5,
                  prior_weight: float = 4.0, decay: float = 0.995):
-        self.ema, self.remeasure_every = ema, remeasure_every
+        self.ema, self.remeasure_every, self.min_samples = ema, remeasure_every, min_samples
         self.step: dict[tuple[int, bool], float] = {}  # (bucket, lookups) -> EMA seconds per forward
+        self.samples: dict[tuple[int, bool], int] = {}  # (bucket, lookups) -> rounds measured
         self.rounds: dict[int, int] = {}  # bucket -> multi-step rounds planned
         self.gated = 0  # multi-step rounds planned without lookups by this gate
         self.prior_gain, self.prior_weight, self.decay = prior_gain, prior_weight, decay
@@ -302,9 +304,14 @@ class LookupGate:
         return (hits + prior * self.prior_weight) / (forwards + self.prior_weight)
 
     def observe(self, batch: int, lookups: bool, seconds_per_forward: float) -> None:
+        """A multi-step round's seconds per forward. Averaged slowly (their ratio is the machine's,
+        and the two sides are measured at different times, under different contention: a quick
+        EMA let one stalled round flip a lane of greedy rows' lookups off), the first rounds by
+        their plain mean."""
         key = (CostModel.bucket(batch), lookups)
-        old = self.step.get(key)
-        self.step[key] = seconds_per_forward if old is None else (1 - self.ema) * old + self.ema * seconds_per_forward
+        n = self.samples[key] = self.samples.get(key, 0) + 1
+        w = max(self.ema, 1.0 / n)
+        self.step[key] = (1 - w) * self.step.get(key, 0.0) + w * seconds_per_forward
 
     def cost(self, batch: int) -> float | None:
         """Seconds per forward with lookups over without, at this bucket (None: not both measured)."""
@@ -323,13 +330,11 @@ class LookupGate:
         """Plan this multi-step round with lookups? `gains`: each row's accepted lookup tokens per forward."""
         b = CostModel.bucket(batch)
         n = self.rounds[b] = self.rounds.get(b, 0) + 1
-        if (b, True) not in self.step:
-            return True
-        cost = self.cost(batch)
-        if cost is None:
-            want = False  # measure a round without lookups once
+        on, off = self.samples.get((b, True), 0), self.samples.get((b, False), 0)
+        if min(on, off) < self.min_samples:  # measure both sides first, alternating (lookups first)
+            want = on <= off
         else:
-            want = sum(gains) / max(1, len(gains)) > cost - 1.0
+            want = sum(gains) / max(1, len(gains)) > self.cost(batch) - 1.0
             if n % self.remeasure_every == 0:
                 want = not want
         self.gated += not want

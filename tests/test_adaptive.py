@@ -353,21 +353,22 @@ def test_lookup_gate_measures_both_sides_then_weighs_gain_against_cost():
     carries them only while the rows' mean gain exceeds the measured extra cost, re-measuring
     the other side every `remeasure_every` rounds; buckets are independent."""
     from specdec.adaptive import LookupGate
-    g = LookupGate(remeasure_every=8)
+    g = LookupGate(remeasure_every=16, min_samples=2)
     sampled, greedy = [0.1] * 8, [0.6] * 8
-    assert g.use(8, sampled)  # nothing measured: the configured behaviour
-    g.observe(8, True, 0.140)
-    assert g.cost(8) is None and not g.use(8, sampled)  # then one round without
-    g.observe(8, False, 0.100)
+    for _ in range(2):  # nothing measured: alternate, lookups first (the configured behaviour)
+        assert g.use(8, sampled)
+        g.observe(8, True, 0.140)
+        assert not g.use(8, greedy)
+        g.observe(8, False, 0.100)
     assert g.cost(8) == pytest.approx(1.4)
     assert not g.use(8, sampled)  # 1.1 tokens per forward for 1.4x the time: lookups lose
     assert g.use(8, greedy)  # 1.6 for 1.4: they pay
     assert not g.use(8, [0.6] * 4 + [0.1] * 4)  # the batch's mean, 0.35, does not pay 0.4
     assert g.use(8, [0.6] * 6 + [0.1] * 2)  # 0.475 does
-    assert [g.use(8, sampled) for _ in range(2)] == [False, True]  # round 8 takes the other side
-    assert g.gated == 4
+    assert [g.use(8, sampled) for _ in range(8)] == [False] * 7 + [True]  # round 16 takes the other side
+    assert g.gated == 11
     assert g.use(1, sampled)  # another bucket: its own measurements
-    assert g.to_dict() == {"cost": {8: 1.4}, "rounds": 9, "rounds_without": 4}  # /stats
+    assert g.to_dict() == {"cost": {8: 1.4}, "rounds": 17, "rounds_without": 11}  # /stats
 
 
 def test_lookup_gain_leans_on_the_workload_until_a_row_has_its_own():

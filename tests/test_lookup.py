@@ -233,6 +233,7 @@ def test_the_scheduler_drops_lookups_that_do_not_pay(tiny_dir, tiny_tok):
     eng = engine(load_model(tiny_dir), tiny_tok, lookup_k=2, adaptive=True)
     sched, gate = eng.scheduler, eng.scheduler.cost.lookups
     gate.step = {(4, True): 0.13, (4, False): 0.10}  # lookups make a forward 1.3x as dear
+    gate.samples = {(4, True): 3, (4, False): 3}  # (both sides measured)
     seqs = [Sequence([1, 2, 3], SamplingParams(max_tokens=20, temperature=1.0)) for _ in range(4)]
     for s in seqs:
         s.lookup_hits, s.lookup_forwards = 2.0, 20.0  # 0.1 tokens per forward (sampled rows)
