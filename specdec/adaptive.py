@@ -272,7 +272,7 @@ class LookupGate:
     tokens accepted greedy, 11% at T = 1.0, and lookups turned a lane of 8 sampled rows from 1.0x
     to 0.85x). So both sides are measured: the seconds per forward of multi-step rounds with and
     without lookups at this bucket (slow EMAs; `cost`), and each row's accepted lookup tokens per
-    forward (`Sequence.lookup_gain`). A round carries lookups when its rows' mean gain exceeds
+    forward (`gain`, from `Sequence.lookup_hits` / `lookup_forwards`). A round carries lookups when its rows' mean gain exceeds
     the measured extra cost of a forward, `cost - 1`. Until each side has `min_samples` rounds a
     bucket alternates, lookups first (one early round, slowed by the streams a new lane opens,
     turned a lane of greedy rows' lookups off for a whole run); afterwards every
