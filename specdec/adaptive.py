@@ -63,6 +63,29 @@ def speedup_bound(a: float, k: int, c: float) -> float:
     return expected_tokens(a, k) / (k * c + 1.0)
 
 
+def mean_then_ema(old: float, new: float, n: int, ema: float) -> float:
+    """The running average of a measurement's `n`-th sample: the plain mean of the first ~1/ema
+    samples, an EMA after them (one early sample must not weigh like a window of them)."""
+    w = max(ema, 1.0 / n)
+    return (1 - w) * old + w * new
+
+
+class DecayedRatio:
+    """A workload's recent rate (successes over trials, both decayed per observation): the prior a
+    new sequence starts from, or `default` until `min_trials` of evidence."""
+
+    def __init__(self, decay: float = 0.995, min_trials: float = 8):
+        self.decay, self.min_trials = decay, min_trials
+        self.num, self.den = 0.0, 0.0
+
+    def add(self, num: float, den: float) -> None:
+        self.num = self.decay * self.num + num
+        self.den = self.decay * self.den + den
+
+    def value(self, default: float) -> float:
+        return self.num / self.den if self.den >= self.min_trials else default
+
+
 class CostModel:
     """Measured costs per batch size B: target round time by max draft length K, draft step time.
 
@@ -95,17 +118,16 @@ class CostModel:
         self.ceiling_acceptance = ceiling_acceptance  # cannot_pay: the best acceptance a probe could find
         self.rounds = 0
         self.prior_c, self.prior_slope = prior_c, prior_verify_slope
-        self.acc_succ, self.acc_trials = 0.0, 0.0  # workload acceptance: the prior of new sequences
+        self.workload_acceptance = DecayedRatio()  # accepted drafts / trials: new sequences' prior
         self.lookups = LookupGate()  # multi-step plain rounds: with or without prompt lookups
 
-    def observe_acceptance(self, proposed: int, accepted: int, decay: float = 0.995) -> None:
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
         if proposed:
-            self.acc_succ = decay * self.acc_succ + accepted
-            self.acc_trials = decay * self.acc_trials + accepted + (1 if accepted < proposed else 0)
+            self.workload_acceptance.add(accepted, accepted + (1 if accepted < proposed else 0))
 
     def acceptance_prior(self, default: float) -> float:
         """Recent acceptance of the workload (new sequences start from it), or `default`."""
-        return self.acc_succ / self.acc_trials if self.acc_trials >= 8 else default
+        return self.workload_acceptance.value(default)
 
     def _upd(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
@@ -145,8 +167,8 @@ class CostModel:
             self.throughput[key] = [tokens, seconds, 1, batch]
             return
         n = old[2] + 1
-        et, es = max(self.tokens_ema, 1.0 / n), max(self.throughput_ema, 1.0 / n)  # first rounds: their mean
-        self.throughput[key] = [(1 - et) * old[0] + et * tokens, (1 - es) * old[1] + es * seconds, n, old[3] + batch]
+        self.throughput[key] = [mean_then_ema(old[0], tokens, n, self.tokens_ema),
+                                mean_then_ema(old[1], seconds, n, self.throughput_ema), n, old[3] + batch]
 
     def _throughput_rows(self, bucket: int, speculative: bool) -> int:
         """Rows (rounds times their rows) whose outcome the bucket's measurement holds."""
@@ -288,19 +310,18 @@ class LookupGate:
         self.samples: dict[tuple[int, bool], int] = {}  # (bucket, lookups) -> rounds measured
         self.rounds: dict[int, int] = {}  # bucket -> multi-step rounds planned
         self.gated = 0  # multi-step rounds planned without lookups by this gate
-        self.prior_gain, self.prior_weight, self.decay = prior_gain, prior_weight, decay
-        self.hits, self.forwards = 0.0, 0.0  # the workload's recent lookup evidence: new rows' prior
+        self.prior_gain, self.prior_weight = prior_gain, prior_weight
+        self.workload = DecayedRatio(decay)  # the workload's lookup tokens accepted per forward: new rows' prior
 
     def observe_row(self, forwards: int, hits: int) -> None:
         """A row's lookups in a round: `hits` tokens accepted over `forwards` forwards that carried them."""
         if forwards:
-            self.hits = self.decay * self.hits + hits
-            self.forwards = self.decay * self.forwards + forwards
+            self.workload.add(hits, forwards)
 
     def gain(self, hits: float, forwards: float) -> float:
         """A row's accepted lookup tokens per forward from its own (decayed) evidence, behind
         `prior_weight` forwards of the workload's recent gain (or `prior_gain` before there is any)."""
-        prior = self.hits / self.forwards if self.forwards >= 8 else self.prior_gain
+        prior = self.workload.value(self.prior_gain)
         return (hits + prior * self.prior_weight) / (forwards + self.prior_weight)
 
     def observe(self, batch: int, lookups: bool, seconds_per_forward: float) -> None:
@@ -310,8 +331,7 @@ class LookupGate:
         their plain mean."""
         key = (CostModel.bucket(batch), lookups)
         n = self.samples[key] = self.samples.get(key, 0) + 1
-        w = max(self.ema, 1.0 / n)
-        self.step[key] = (1 - w) * self.step.get(key, 0.0) + w * seconds_per_forward
+        self.step[key] = mean_then_ema(self.step.get(key, 0.0), seconds_per_forward, n, self.ema)
 
     def cost(self, batch: int) -> float | None:
         """Seconds per forward with lookups over without, at this bucket (None: not both measured)."""
