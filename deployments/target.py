@@ -20,7 +20,7 @@ import time
 
 import ray
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deployments.tracing import ensure_provider
 from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads
@@ -50,6 +50,14 @@ class TargetConfig(ModelRuntime):
     worker_cpus: float = Field(0.5, gt=0, description="CPUs each TP worker actor asks for (its bundle's share).")
     worker_gpus: float = Field(0, ge=0, description="GPUs each TP worker actor asks for.")
     lookup_corpus: str | None = Field(None, description="Corpus of the target's own answers (specdec.corpus: an .npz file, or a shipped corpus's name) that continues prompt-lookup drafts in multi-step plain rounds; None: prompt lookup alone.")
+    draft_in_target: str | None = Field(None, description="An EAGLE-style draft checkpoint that the replica also loads (tp=1; it shares the target's embedding and head): in multi-step plain rounds it drafts the rows that prompt lookup finds nothing for, from the features computed in this process (TargetWorker.drafter); None: lookups only.")
+    draft_in_target_k: int = Field(2, ge=1, le=8, description="Tokens the in-target draft proposes per row and step.")
+
+    @model_validator(mode="after")
+    def _draft_needs_one_rank(self) -> "TargetConfig":
+        if self.draft_in_target and self.tp > 1:
+            raise ValueError("draft_in_target needs tp=1 (the draft shares rank 0's unsharded embedding and head)")
+        return self
 
 
 def _load_rank(cfg: TargetConfig, rank: int, world: int):
@@ -144,7 +152,17 @@ class TargetDeployment:
         if self.workers:
             model = TPGroupModel(model, self.workers)
         corpus = NgramCorpus.load(resolve_corpus(self.cfg.lookup_corpus)) if self.cfg.lookup_corpus else None
-        return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden, corpus)
+        return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden, corpus,
+                            self._drafter(model), self.cfg.draft_in_target_k)
+
+    def _drafter(self, model):
+        """The in-target draft (TargetConfig.draft_in_target), sharing the target's embedding and head, or None."""
+        if not self.cfg.draft_in_target:
+            return None
+        from specdec.proposers import build_proposer
+        return build_proposer("eagle", draft=self.cfg.draft_in_target, target=self.cfg.model,
+                              dtype=parse_dtype(self.cfg.dtype), num_slots=self.cfg.num_slots,
+                              max_model_len=self.cfg.max_model_len, target_model=model)
 
     def _start_workers(self) -> list:
         from ray.util.placement_group import get_current_placement_group

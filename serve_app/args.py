@@ -66,6 +66,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     max_router_replicas: int = Field(2, ge=1, description="Upper bound for router replicas when autoscaling.")
     autoscaling_policy_kwargs: dict = Field(default_factory=dict, description="Overrides of serve_app.autoscaling.AutoscalingParams (capacities, thresholds, delays).")
     lookup_corpus: str | None = Field("auto", description="Corpus of the target's own answers to other questions (specdec.corpus; an .npz file made by specdec-corpus, or a shipped corpus's name) that continues prompt-lookup drafts in multi-step plain rounds, so they find tokens before an answer repeats itself; the output stays plain decoding's. 'auto': the corpus shipped for the target (the demo target: 'smollm2-corpus'), none otherwise; None: prompt lookup alone.")
+    draft_in_target: bool = Field(True, description="With an EAGLE-style draft and tp=1 (the default app), the Target replica also holds a copy of the draft (~10 MB beside the target's shared embedding and head) and, in multi-step plain rounds, drafts draft_in_target_k tokens per step for rows that prompt lookup finds nothing for, checked against plain decoding's own draws like any lookup, so output stays plain decoding's; no Draft call and no feature transfer for those rounds. In process, bf16, batch 1, 64 tokens: lookups alone 1.29x over plain, with the in-target draft 1.38-1.45x (greedy); T = 0.7 1.12x -> 1.22x, T = 1.0 1.02x -> 1.07x (BENCHMARKS.md).")
+    draft_in_target_k: int = Field(2, ge=1, le=8, description="Draft tokens per row and step of the in-target draft (draft_in_target).")
     lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
     tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables.")
@@ -154,7 +156,9 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                             worker_cpus=self.target_cpus,
                             return_hidden=self.uses_features,
                             feature_layers=feature_layers(self.draft) if self.uses_features else [],
-                            worker_gpus=1 if self.device == "cuda" else 0, lookup_corpus=self.lookup_corpus)
+                            worker_gpus=1 if self.device == "cuda" else 0, lookup_corpus=self.lookup_corpus,
+                            draft_in_target=self.draft if self.uses_features and self.draft_in_target and self.tp == 1 else None,
+                            draft_in_target_k=self.draft_in_target_k)
 
     def draft_config(self) -> DraftConfig | None:
         if not self.speculate:

@@ -224,9 +224,9 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
                          f"unexpected {unexpected[:4]}")
     draft.extra = extra
     dtype = dtype or target.dtype
-    for part in (draft.fuse, draft.fc, draft.layers):
+    for part in (draft.fuse, draft.fc, draft.layers):  # on the target's device: it shares its embedding and head
         if part is not None:
-            part.to(dtype)
+            part.to(device=target.device, dtype=dtype)
     return draft.eval()
 
 

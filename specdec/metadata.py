@@ -97,5 +97,7 @@ class VerifyOutput(Wire):
     sibling_accepted: int = 0  # rows whose first draft was rejected and its sibling accepted
     lookup_proposed: int = 0  # prompt-lookup tokens verified in a multi-step round (all rows)
     lookup_accepted: int = 0  # of which accepted
+    target_drafted: int = 0  # of the lookup tokens, those the target's own drafter proposed (TargetWorker.drafter)
+    target_draft_accepted: int = 0  # of which accepted
     lookup_rows: list[tuple[int, int]] | None = None  # per row: (forwards that carried its lookups, lookup tokens accepted)
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call

@@ -310,6 +310,8 @@ class Scheduler:
         self.stats.sibling_accepted += verify.sibling_accepted
         self.stats.lookup_proposed += verify.lookup_proposed
         self.stats.lookup_accepted += verify.lookup_accepted
+        self.stats.target_drafted += verify.target_drafted
+        self.stats.target_draft_accepted += verify.target_draft_accepted
         # wall times as the loop paid them (in the service they include the deployment hops)
         if not plan.prefill and plan.draft_batch.steps and verify.steps > 1:
             self.cost.lookups.observe(len(seqs), bool(plan.draft_batch.lookup) and any(plan.draft_batch.lookup),

@@ -29,6 +29,8 @@ class SpecStats:
     sibling_accepted: int = 0  # row-rounds whose first draft was rejected and its sibling accepted
     lookup_proposed: int = 0  # prompt-lookup tokens verified inside multi-step plain rounds (not
     lookup_accepted: int = 0  # in proposed / accepted: no proposer drafted them; their tokens are)
+    target_drafted: int = 0  # of the lookup tokens, those the target replica's own drafter proposed
+    target_draft_accepted: int = 0
 
     def observe_row(self, proposed: int, accepted: int, emitted: int) -> None:
         self.row_rounds += 1
@@ -71,7 +73,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         for name in ("rounds", "row_rounds", "spec_row_rounds", "proposed", "accepted", "emitted",
                      "batch_size_sum", "draft_time", "target_time", "round_time", "sibling_accepted",
-                     "lookup_proposed", "lookup_accepted"):
+                     "lookup_proposed", "lookup_accepted", "target_drafted", "target_draft_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.proposed_per_pos), len(other.proposed_per_pos))
         for lst in (self.proposed_per_pos, self.accepted_per_pos):

@@ -14,6 +14,7 @@ import torch
 
 from specdec.corpus import NgramCorpus
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
+from specdec.proposers.base import Proposer
 from specdec.proposers.ngram import ngram_lookup
 from specdec.rejection_sampler import DraftProbs, rejection_sample
 from specdec.runner import CacheFullError, SlotTable, run_ragged
@@ -33,7 +34,7 @@ def lookup_draft(tokens: list[int], k: int, corpus: NgramCorpus | None = None) -
 
 class TargetWorker:
     def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False,
-                 corpus: NgramCorpus | None = None):
+                 corpus: NgramCorpus | None = None, drafter: Proposer | None = None, draft_k: int = 2):
         if corpus is not None and corpus.vocab_size > model.args.vocab_size:
             raise ValueError(f"the lookup corpus's vocabulary ({corpus.vocab_size}) is larger than the target's "
                              f"({model.args.vocab_size}): it was made for another model")
@@ -43,6 +44,14 @@ class TargetWorker:
         model.setup_cache(num_slots, max_model_len)
         self.table = SlotTable(num_slots, max_model_len)
         self.return_hidden = return_hidden
+        # An EAGLE-style proposer in this process (`drafter`): in a multi-step round, a row whose own
+        # context repeats nothing is drafted `draft_k` tokens per step from the features the last
+        # forward computed here (no Draft call, no transfer).
+        # `_fed`: confirmed tokens the drafter holds per sequence; `_pending`: (first position,
+        # [n, hidden]) features of confirmed positions it has not been sent yet.
+        self.drafter, self.draft_k = drafter, draft_k
+        self._fed: dict[int, int] = {}
+        self._pending: dict[int, tuple[int, torch.Tensor]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -51,6 +60,8 @@ class TargetWorker:
     def release(self, seq_ids) -> None:
         for s in seq_ids:
             self.table.release(s)
+            if self.drafter is not None:
+                self._forget_drafts(s)
 
     @torch.inference_mode()
     def verify(self, batch: SpecBatch, draft: DraftOutput) -> VerifyOutput:
@@ -59,6 +70,8 @@ class TargetWorker:
         B = len(batch)
         rows, states, unknown = [], [], []
         for i in range(B):
+            if batch.offsets[i] == 0 and self.drafter is not None:  # a new (or resent) sequence
+                self._forget_drafts(batch.seq_ids[i])
             try:
                 st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
             except CacheFullError:  # no free slot now: the row waits (reported unknown, resent later)
@@ -96,12 +109,14 @@ class TargetWorker:
         of a batch fill the step's padding positions (`_fill`). The row's e-th token
         of the round is drawn with the uniforms of column e (its position's, as a plain round
         would), and lookups are checked against those draws (`coupled_verify`; argmax for greedy
-        rows): the tokens are plain decoding's, greedy or sampled, token for token."""
+        rows): the tokens are plain decoding's, greedy or sampled, token for token. With a
+        `drafter`, rows that lookups find nothing for are drafted by it (`_step_drafts`), checked
+        the same way."""
         go, j = list(zip(rows, states)), 0
         lookups = out.lookup_rows = [(0, 0)] * len(batch)  # per row: (forwards with lookups, accepted)
         while go:
             rooms = [self._room(batch, i, st, len(out.tokens[i])) for i, st in go]
-            drafts = [lookup_draft(st.tokens, room, self.corpus) if room > 0 else [] for (_, st), room in zip(go, rooms)]
+            drafts, drafted = self._step_drafts(batch, go, rooms)
             K = max(map(len, drafts))
             if K and self.corpus is not None and len(go) > 1:
                 drafts = self._fill([st for _, st in go], drafts, [min(K, room) for room in rooms])
@@ -117,6 +132,10 @@ class TargetWorker:
                        coupled=True)
             out.lookup_proposed += sum(map(len, drafts))
             out.lookup_accepted += sum(out.num_accepted) - sum(before)
+            for r in drafted:
+                i = go[r][0]
+                out.target_drafted += len(drafts[r])
+                out.target_draft_accepted += out.num_accepted[i] - before[i]
             for i, _ in go:  # a forward of a round with lookups counts, whether or not the row found some
                 if batch.lookup and batch.lookup[i]:
                     f, h = lookups[i]
@@ -125,6 +144,54 @@ class TargetWorker:
             go = [(i, st) for i, st in go if j < batch.steps[i] and len(out.tokens[i]) < self._budget(batch, i)
                   and not any(t in batch.stop_ids[i] for t in out.tokens[i])]
         out.steps = j
+
+    def _step_drafts(self, batch: SpecBatch, go: list, rooms: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Each row's tokens to verify in this step of a multi-step round, and which rows (indices
+        into `go`) the drafter drafted: lookups (`lookup_draft`), except that with a drafter, a row
+        whose own context repeats nothing (no prompt-lookup match) gets the drafter's greedy chain
+        of up to `draft_k` tokens instead, sampled rows too (a chain's token is kept where it equals
+        the row's own draw). Drafts depend on the context only, never on the round's draws, so the
+        coupled check still emits plain decoding's tokens."""
+        drafts = [lookup_draft(st.tokens, room, self.corpus) if room > 0 else [] for (_, st), room in zip(go, rooms)]
+        if self.drafter is None:
+            return drafts, []
+        mine = [r for r, ((_, st), room) in enumerate(zip(go, rooms)) if room > 0 and not ngram_lookup(st.tokens, 1, *LOOKUP_NGRAM)]
+        if mine:
+            chains = self._draft_chains(batch, [go[r] for r in mine], [min(self.draft_k, rooms[r]) for r in mine])
+            for r, chain in zip(mine, chains):
+                drafts[r] = chain
+        return drafts, mine
+
+    def _draft_chains(self, batch: SpecBatch, go: list, ks: list[int]) -> list[list[int]]:
+        """The drafter's greedy chains for rows `go` ((batch index, slot state)), up to ks[r] tokens:
+        it is sent the confirmed tokens and features it lacks, as a Draft replica would be."""
+        sids = [batch.seq_ids[i] for i, _ in go]
+        offsets = [self._fed.get(s, 0) for s in sids]
+        n = len(go)
+        mini = SpecBatch(sids, offsets, [st.tokens[o:] for (_, st), o in zip(go, offsets)], ks,
+                         torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.ones(n),  # greedy
+                         torch.zeros(n, 3, max(ks) + 1, dtype=torch.float64),
+                         features=[self._pending.pop(s, None) for s in sids])
+        out = self.drafter.propose(mini)
+        for r, ((_, st), s) in enumerate(zip(go, sids)):
+            if r in out.unknown:  # no free slot there: whole context again next time
+                self._forget_drafts(s)
+            else:
+                self._fed[s] = len(st.tokens)
+        return [out.tokens[r, : out.num_draft[r]].tolist() for r in range(n)]
+
+    def _keep_features(self, sid: int, start: int, h: torch.Tensor) -> None:
+        """Features of confirmed positions from `start` on, for the drafter's next call."""
+        old = self._pending.get(sid)
+        if old is not None and old[0] <= start <= old[0] + len(old[1]):
+            self._pending[sid] = (old[0], torch.cat([old[1][: start - old[0]], h]))
+        else:
+            self._pending[sid] = (start, h)
+
+    def _forget_drafts(self, sid: int) -> None:
+        self.drafter.release([sid])
+        self._fed.pop(sid, None)
+        self._pending.pop(sid, None)
 
     def _room(self, batch: SpecBatch, i: int, st, emitted: int) -> int:
         """Lookup tokens row i may verify in this step of a multi-step round (prompt lookup in its
@@ -176,10 +243,11 @@ class TargetWorker:
         has_sib = [s >= 0 for s in sib]
         n_conf = [len(f) - len(d) - h for f, d, h in zip(feeds, drafts, has_sib)]  # confirmed tokens fed per row
         num_draft = [len(d) for d in drafts]
+        want_hidden = self.return_hidden or self.drafter is not None
         res = run_ragged(self.model, feeds, [st.slot for st in states], starts,
-                         [n + 1 + h for n, h in zip(num_draft, has_sib)], return_hidden=self.return_hidden,
+                         [n + 1 + h for n, h in zip(num_draft, has_sib)], return_hidden=want_hidden,
                          n_hidden=[len(f) for f in feeds], siblings=[n if h else 0 for n, h in zip(num_draft, has_sib)])
-        logits_rows, hidden_rows = res if self.return_hidden else (res, None)
+        logits_rows, hidden_rows = res if want_hidden else (res, None)
         logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
         for r, lg in enumerate(logits_rows):
             logits[r, : num_draft[r] + 1] = lg[: num_draft[r] + 1]
@@ -202,6 +270,10 @@ class TargetWorker:
             if hidden_rows is not None:  # features of every position now confirmed but the last
                 hr = hidden_rows[r]  # a taken sibling's feature (the last) in place of the first draft's
                 h = torch.cat([hr[: n_conf[r]], hr[-1:]]) if taken else hr[: n_conf[r] + m]
+                if self.drafter is not None:
+                    self._keep_features(batch.seq_ids[i], starts[r], h)
+                if not self.return_hidden:
+                    continue
                 h = h.cpu()  # crosses processes: host memory
                 if out.hidden[i] is None:  # the call's first forward for this row
                     out.hidden[i], out.hidden_start[i] = h, starts[r]
