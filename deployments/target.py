@@ -217,7 +217,9 @@ class TargetDeployment:
         await self.thread.call(self.worker.release, seq_ids)
 
     def stats(self) -> dict:
+        drafter = self.worker.drafter
         return {"replica": self.id, "active_sequences": len(self.worker.table),
+                "draft_in_target_active": drafter.num_active if drafter is not None else 0,
                 "free_slots": self.worker.table.num_free, "pid": os.getpid(),
                 "tp_worker_pids": [pid for _, pid in ray.get([w.ping.remote() for w in self.workers])]}
 

@@ -127,6 +127,33 @@ def test_demo_bf16_shipped_corpus_lookups_are_plain_and_pay(demo_dir, demo_tok, 
     assert st.lookup_accepted > st0.lookup_accepted and st.lookup_proposed > st.lookup_accepted
 
 
+def test_demo_bf16_draft_in_target_is_plain_and_pays(demo_dir, demo_tok, demo_prompts):
+    """The shipped EAGLE draft inside the target worker (the default app's Target replica), bf16,
+    8-step plain rounds with the shipped corpus: greedy and seeded sampled answers are plain
+    decoding's, one request at a time and four at once, and on real text its drafts are accepted."""
+    from specdec.corpus import NgramCorpus
+    from specdec.eagle_draft import load_eagle
+    from specdec.loader import bundled_corpus_for, resolve_corpus
+    from specdec.proposers import EagleProposer
+    corpus = NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
+    model = load_model(demo_dir, dtype=torch.bfloat16)
+    eagle = load_eagle("smollm2-eagle", model)
+    model.feature_layers = eagle.feature_layers
+    params = [SamplingParams(max_tokens=48, temperature=t, seed=300 + i) for i, t in enumerate([0.0, 1.0] * 2)]
+
+    def run(prompts, ps, drafter=None, lookup_k=2):
+        eng = LLMEngine(TargetWorker(model, 4, 1024, corpus=corpus, drafter=drafter), NgramProposer(), demo_tok,
+                        EngineConfig(max_batch_size=4, num_speculative_tokens=0, plain_steps=8, lookup_k=lookup_k,
+                                     lookup_max_batch=4, ngram_k=8, adaptive=False))
+        return [s.output_ids for s in eng.generate(prompts, ps)], eng.stats
+
+    ref, _ = run(demo_prompts, params, lookup_k=0)
+    out, st = run(demo_prompts, params, EagleProposer(eagle, 4, 1024))
+    assert out == ref and 0 < st.target_draft_accepted < st.target_drafted
+    drafter = EagleProposer(eagle, 4, 1024)  # one request at a time: rounds of one row
+    assert [run([p], [ps], drafter)[0][0] for p, ps in zip(demo_prompts, params)] == ref
+
+
 def test_demo_bf16_invariant_attention_is_as_accurate_as_sdpa(demo_dir, demo_model, demo_tok, demo_prompts):
     """bf16 is the CPU default, so its position-invariant attention must not cost accuracy: against
     float32 logits it errs no more than bf16 SDPA (largest error over the prompts, and mean error

@@ -211,6 +211,33 @@ def test_eagle_hybrid_over_tensor_parallel_matches_plain(deploy, ray_cluster, ti
     serve.delete("eagle")
 
 
+def test_draft_in_target_is_plain_decoding_through_http(deploy, ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
+    """The default app's shape (hybrid EAGLE, tp=1, adaptive): the Target replica's copy of the draft
+    drafts in multi-step plain rounds; greedy output still equals plain decoding, alone and 8 at a
+    time, seeded samples repeat, and finished sequences leave nothing in its draft."""
+    url1, model = tiny_app
+    url = deploy("intarget", {"target": str(tiny_dir), "proposer": "hybrid", "draft": str(tiny_eagle_dir),
+                              "max_model_len": 512, "dtype": "float32", "target_cpus": 0.25})
+    plain = [_complete(url1, model, p, n_tokens=32, num_speculative_tokens=0)["choices"][0]["text"] for p in PROMPTS]
+    assert [_complete(url, model, p, n_tokens=32)["choices"][0]["text"] for p in PROMPTS] == plain
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*[c.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": p, "max_tokens": 32, **GREEDY}) for p in PROMPTS])
+        return [r.json()["choices"][0]["text"] for r in rs]
+    assert asyncio.run(burst()) == plain
+    stats = httpx.get(f"{url}/stats").json()
+    assert stats["target_drafted"] > 0 and stats["target_drafted"] <= stats["lookup_proposed"]
+    body = {"model": model, "prompt": "def f(", "max_tokens": 16, "temperature": 1.0, "n": 3, "seed": 7}
+    a, b = post(url, "/v1/completions", body).json(), post(url, "/v1/completions", body).json()
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    assert_idle("intarget", url)
+    from ray import serve
+    assert serve.get_deployment_handle("Target", app_name="intarget").stats.remote().result()["draft_in_target_active"] == 0
+    serve.delete("intarget")
+
+
 def test_builder_refuses_bad_args(tiny_dir, tiny_draft_dir, tmp_path):
     from serve_app import build_app
     with pytest.raises(ValueError, match="does not divide"):
