@@ -61,7 +61,6 @@ def main() -> None:
     tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=torch.bfloat16)
     corpus = NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
     eagle = load_eagle("smollm2-eagle", model, torch.bfloat16)
-    model.feature_layers = eagle.feature_layers  # the features the draft reads (EAGLE-3 taps)
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in PROMPT_SETS["fresh"][: a.questions]]
     modes = ["plain", "lookup"] + [f"draft k{k}" for k in a.ks.split(",")]
     rows = []

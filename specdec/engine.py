@@ -43,7 +43,10 @@ class LLMEngine:
             eos_token_ids = eos_ids_of(tokenizer)
         features = proposer is not None and proposer.needs_features
         target.return_hidden = target.return_hidden or features  # an EAGLE draft reads the target's features
-        target.model.feature_layers = proposer.feature_layers if features else ()  # an EAGLE-3 draft's taps
+        taps = {tuple(p.feature_layers) for p in (proposer if features else None, target.drafter) if p is not None}
+        if len(taps) > 1:
+            raise ValueError(f"the proposer and the target's own drafter read different target layers: {sorted(taps)}")
+        target.model.feature_layers = taps.pop() if taps else ()  # an EAGLE-3 draft's taps
         self.scheduler = Scheduler(
             scheduler_config(self.cfg, max_model_len=self.max_model_len, features=features,
                              speculate=self.cfg.speculate and proposer is not None),

@@ -50,6 +50,8 @@ class TargetWorker:
         # `_fed`: confirmed tokens the drafter holds per sequence; `_pending`: (first position,
         # [n, hidden]) features of confirmed positions it has not been sent yet.
         self.drafter, self.draft_k = drafter, draft_k
+        if drafter is not None:
+            model.feature_layers = tuple(drafter.feature_layers)  # the taps an EAGLE-3 draft fuses
         self._fed: dict[int, int] = {}
         self._pending: dict[int, tuple[int, torch.Tensor]] = {}
 

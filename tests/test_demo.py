@@ -138,7 +138,6 @@ def test_demo_bf16_draft_in_target_is_plain_and_pays(demo_dir, demo_tok, demo_pr
     corpus = NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
     model = load_model(demo_dir, dtype=torch.bfloat16)
     eagle = load_eagle("smollm2-eagle", model)
-    model.feature_layers = eagle.feature_layers
     params = [SamplingParams(max_tokens=48, temperature=t, seed=300 + i) for i, t in enumerate([0.0, 1.0] * 2)]
 
     def run(prompts, ps, drafter=None, lookup_k=2):

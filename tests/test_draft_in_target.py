@@ -21,8 +21,12 @@ PROMPTS = ["The weather today is", "import json\nimport os\nimport", "Once upon 
 
 
 def make_eagle(target, seed=0):
+    """An untrained draft with the full head that fuses the target's layer 0 (EAGLE-3, random fuse)."""
     torch.manual_seed(seed)
-    return EagleDraft.for_target(target, torch.arange(target.args.vocab_size)).to(target.dtype).eval()  # full head
+    draft = EagleDraft.for_target(target, torch.arange(target.args.vocab_size), feature_layers=(0,))
+    with torch.no_grad():
+        draft.fuse.weight.normal_(0.0, 0.2)
+    return draft.to(target.dtype).eval()
 
 
 def engine(target, drafter=None, batch=4, k=2, lookup_k=2, plain_steps=8):
@@ -85,19 +89,20 @@ class Recorder(EagleProposer):
 
 def test_chains_come_from_the_true_features(tiny_dir, prompts):
     """Every chain's first token is what the draft predicts from the target's features of the
-    whole confirmed context (one cache-free pass): the features the worker keeps and sends line
-    up with the positions, across steps, calls and rows."""
+    whole confirmed context, with the taps it fuses (one cache-free pass): the features the worker
+    keeps and sends line up with the positions, across steps, calls and rows."""
     target = load_model(tiny_dir)
     draft = make_eagle(target)
     rec = Recorder(draft, 4, 256)
     eng = engine(target, rec)
     seqs = eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     by_id = {s.seq_id: s for s in seqs}
+    target.feature_layers = (0,)  # the draft's taps, whatever the worker set
     with torch.inference_mode():
         for sid, n, chain in rec.seen:
             x = torch.tensor(by_id[sid].tokens)[None]  # [1, L]
             target.setup_cache(1, x.shape[1] + 8)
-            f = target.hidden_states(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+            f = target.hidden_states(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), taps=True)
             g, _ = draft.forward_train(f[:, : n - 1], x[:, 1:n])  # g[n-2] drafts x_n
             assert int(draft.lm_head(g[0, -1]).argmax()) == chain[0]
     assert len(rec.seen) >= 20

@@ -266,6 +266,19 @@ def test_sampled_prompt_lookup_is_lossless(models, case):
     assert min(pv) > ALPHA, pv
 
 
+@pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
+def test_sampled_draft_in_target_is_lossless(models, case):
+    """The target worker's own copy of the EAGLE draft (TargetWorker.drafter, fused as shipped)
+    drafting in multi-step plain rounds, on prompts that never repeat a token: its greedy chains
+    are kept only where they equal the row's own draw."""
+    ref, target, _, eagle = models
+    worker = lambda t, b, m, corpus=None: TargetWorker(t, b, m, corpus=corpus, drafter=EagleProposer(eagle, b, m))  # noqa: E731
+    pv, st = _sample_lookup(ref, target, worker, seed0=90_000 + 1000 * CASES.index(case), case=case,
+                            prompts=[DISTINCT, DISTINCT[::-1]])
+    assert st.target_draft_accepted > N // 25 and st.target_drafted > st.target_draft_accepted  # both paths taken
+    assert min(pv) > ALPHA, pv
+
+
 class _CountFills(TargetWorker):
     """Counts the lookup tokens that filled padding positions (TargetWorker._fill)."""
     filled = 0
