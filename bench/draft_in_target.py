@@ -29,11 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from http_bench import PROMPT_SETS  # noqa: E402
+from lookup_gate import demo_target  # noqa: E402
 
-from specdec.corpus import NgramCorpus  # noqa: E402
 from specdec.eagle_draft import load_eagle  # noqa: E402
 from specdec.engine import EngineConfig, LLMEngine  # noqa: E402
-from specdec.loader import bundled_corpus_for, load_model, load_tokenizer, resolve_corpus  # noqa: E402
 from specdec.prompts import encode_chat  # noqa: E402
 from specdec.proposers import EagleProposer, NgramProposer  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
@@ -57,9 +56,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=torch.bfloat16)
-    corpus = NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
+    tok, model, corpus = demo_target(a.threads)
     eagle = load_eagle("smollm2-eagle", model, torch.bfloat16)
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in PROMPT_SETS["fresh"][: a.questions]]
     modes = ["plain", "lookup"] + [f"draft k{k}" for k in a.ks.split(",")]

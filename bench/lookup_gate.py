@@ -48,6 +48,13 @@ def _gate(on: bool) -> None:
     adaptive.LookupGate.use = GATE_USE if on else (lambda self, batch, gains: True)
 
 
+def demo_target(threads: int):
+    """The demo target in bf16 (the CPU default where it is fast), its tokenizer and its shipped lookup corpus."""
+    torch.set_num_threads(threads)
+    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=torch.bfloat16)
+    return tok, model, NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
+
+
 def make_engine(model, tok, corpus, batch: int, mode: str, lookup_k: int) -> LLMEngine:
     lk = 0 if mode == "plain" else lookup_k
     return LLMEngine(TargetWorker(model, batch, 2048, corpus=corpus), NgramProposer(), tok,
@@ -73,9 +80,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    tok, model = load_tokenizer("smollm2"), load_model("smollm2", dtype=torch.bfloat16)
-    corpus = NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
+    tok, model, corpus = demo_target(a.threads)
     questions = PROMPT_SETS["fresh"][:16] + PROMPT_SETS["everyday"][:8]
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in questions]
     warm, timed = prompts[:8], prompts[8:]
