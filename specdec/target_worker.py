@@ -154,14 +154,12 @@ class TargetWorker:
         of up to `draft_k` tokens instead, sampled rows too (a chain's token is kept where it equals
         the row's own draw). Drafts depend on the context only, never on the round's draws, so the
         coupled check still emits plain decoding's tokens."""
-        drafts = [lookup_draft(st.tokens, room, self.corpus) if room > 0 else [] for (_, st), room in zip(go, rooms)]
-        if self.drafter is None:
-            return drafts, []
-        mine = [r for r, ((_, st), room) in enumerate(zip(go, rooms)) if room > 0 and not ngram_lookup(st.tokens, 1, *LOOKUP_NGRAM)]
-        if mine:
-            chains = self._draft_chains(batch, [go[r] for r in mine], [min(self.draft_k, rooms[r]) for r in mine])
-            for r, chain in zip(mine, chains):
-                drafts[r] = chain
+        mine = [r for r, ((_, st), room) in enumerate(zip(go, rooms))
+                if room > 0 and not ngram_lookup(st.tokens, 1, *LOOKUP_NGRAM)] if self.drafter is not None else []
+        chains = dict(zip(mine, self._draft_chains(batch, [go[r] for r in mine],
+                                                   [min(self.draft_k, rooms[r]) for r in mine]))) if mine else {}
+        drafts = [chains[r] if r in chains else lookup_draft(st.tokens, room, self.corpus) if room > 0 else []
+                  for r, ((_, st), room) in enumerate(zip(go, rooms))]
         return drafts, mine
 
     def _draft_chains(self, batch: SpecBatch, go: list, ks: list[int]) -> list[list[int]]:
