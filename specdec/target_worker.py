@@ -20,6 +20,7 @@ from specdec.rejection_sampler import DraftProbs, rejection_sample
 from specdec.runner import CacheFullError, SlotTable, run_ragged
 
 
+PENDING_FEATURES = 512  # positions of features kept per sequence for the in-target drafter (older: dropped)
 LOOKUP_NGRAM = (2, 4)  # prompt lookup in multi-step plain rounds: suffix n-grams of 2 to 4 tokens
 
 
@@ -48,12 +49,13 @@ class TargetWorker:
         # context repeats nothing is drafted `draft_k` tokens per step from the features the last
         # forward computed here (no Draft call, no transfer).
         # `_fed`: confirmed tokens the drafter holds per sequence; `_pending`: (first position,
-        # [n, hidden]) features of confirmed positions it has not been sent yet.
+        # [[n, hidden] chunks]) features of confirmed positions it has not been sent yet, the last
+        # PENDING_FEATURES at most (a drafter that lost older ones restarts its context there).
         self.drafter, self.draft_k = drafter, draft_k
         if drafter is not None:
             model.feature_layers = tuple(drafter.feature_layers)  # the taps an EAGLE-3 draft fuses
         self._fed: dict[int, int] = {}
-        self._pending: dict[int, tuple[int, torch.Tensor]] = {}
+        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -171,7 +173,7 @@ class TargetWorker:
         mini = SpecBatch(sids, offsets, [st.tokens[o:] for (_, st), o in zip(go, offsets)], ks,
                          torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.ones(n),  # greedy
                          torch.zeros(n, 3, max(ks) + 1, dtype=torch.float64),
-                         features=[self._pending.pop(s, None) for s in sids])
+                         features=[self._take_features(s) for s in sids])
         out = self.drafter.propose(mini)
         for r, ((_, st), s) in enumerate(zip(go, sids)):
             if r in out.unknown:  # no free slot there: whole context again next time
@@ -181,12 +183,27 @@ class TargetWorker:
         return [out.tokens[r, : out.num_draft[r]].tolist() for r in range(n)]
 
     def _keep_features(self, sid: int, start: int, h: torch.Tensor) -> None:
-        """Features of confirmed positions from `start` on, for the drafter's next call."""
-        old = self._pending.get(sid)
-        if old is not None and old[0] <= start <= old[0] + len(old[1]):
-            self._pending[sid] = (old[0], torch.cat([old[1][: start - old[0]], h]))
-        else:
-            self._pending[sid] = (start, h)
+        """Features of confirmed positions from `start` on, for the drafter's next call: appended
+        as a chunk (a copy: no view keeps the forward's whole hidden state alive); a row that has
+        not been drafted for long keeps only its last PENDING_FEATURES positions."""
+        first, chunks = self._pending.get(sid, (start, []))
+        end = first + sum(map(len, chunks))
+        if start < end and chunks:  # re-fed positions (rare): keep what precedes them
+            kept = torch.cat(chunks)[: max(0, start - first)]
+            chunks = [kept] if len(kept) else []
+        elif start > end:  # a gap: the drafter restarts its context here
+            first, chunks = start, []
+        if not chunks:
+            first = start
+        chunks.append(h.clone())
+        while len(chunks) > 1 and sum(map(len, chunks)) - len(chunks[0]) >= PENDING_FEATURES:
+            first += len(chunks.pop(0))
+        self._pending[sid] = (first, chunks)
+
+    def _take_features(self, sid: int) -> tuple[int, torch.Tensor] | None:
+        """The pending features of `sid` as one (first position, [n, hidden]) block, now sent."""
+        got = self._pending.pop(sid, None)
+        return None if got is None else (got[0], torch.cat(got[1]))
 
     def _forget_drafts(self, sid: int) -> None:
         self.drafter.release([sid])

@@ -141,3 +141,24 @@ def test_accepted_drafts_save_forwards(tiny_dir, prompts):
     st = eng.stats
     assert st.target_draft_accepted > 0 and st.target_draft_accepted < st.target_drafted  # the wrong ones
     assert sum(c.steps for c in calls) == len(prompts) * 30 - st.lookup_accepted  # each accepted token: one forward less
+
+
+def test_undrafted_rows_keep_a_bounded_feature_tail(tiny_dir, prompts, monkeypatch):
+    """Rows the drafter does not draft (here: no lookups at all) keep only the last
+    PENDING_FEATURES positions of features, not their whole history, and nothing once released."""
+    from specdec import target_worker
+    monkeypatch.setattr(target_worker, "PENDING_FEATURES", 16)
+    target = load_model(tiny_dir)
+    eng = engine(target, EagleProposer(make_eagle(target), 4, 256), lookup_k=0)
+    seen = []
+    verify = eng.target.verify
+
+    def spy(b, d):
+        out = verify(b, d)
+        seen.extend(sum(map(len, chunks)) for _, chunks in eng.target._pending.values())
+        return out
+    eng.target.verify = spy
+    eng.generate(prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    assert eng.stats.target_drafted == 0 and max(seen) >= 16
+    assert max(seen) < 16 + max(map(len, prompts))  # the tail, and at most the chunk before it
+    assert not eng.target._pending
