@@ -49,13 +49,14 @@ class TargetWorker:
         # context repeats nothing is drafted `draft_k` tokens per step from the features the last
         # forward computed here (no Draft call, no transfer).
         # `_fed`: confirmed tokens the drafter holds per sequence; `_pending`: (first position,
-        # [[n, hidden] chunks]) features of confirmed positions it has not been sent yet, the last
-        # PENDING_FEATURES at most (a drafter that lost older ones restarts its context there).
+        # [[n, hidden] chunks], positions in them) features of confirmed positions it has not been
+        # sent yet, the last PENDING_FEATURES at most (a drafter that lost older ones restarts its
+        # context there).
         self.drafter, self.draft_k = drafter, draft_k
         if drafter is not None:
             model.feature_layers = tuple(drafter.feature_layers)  # the taps an EAGLE-3 draft fuses
         self._fed: dict[int, int] = {}
-        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self._pending: dict[int, tuple[int, list[torch.Tensor], int]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -186,19 +187,20 @@ class TargetWorker:
         """Features of confirmed positions from `start` on, for the drafter's next call: appended
         as a chunk (a copy: no view keeps the forward's whole hidden state alive); a row that has
         not been drafted for long keeps only its last PENDING_FEATURES positions."""
-        first, chunks = self._pending.get(sid, (start, []))
-        end = first + sum(map(len, chunks))
-        if start < end and chunks:  # re-fed positions (rare): keep what precedes them
+        first, chunks, n = self._pending.get(sid, (start, [], 0))
+        if start < first + n and chunks:  # re-fed positions (rare): keep what precedes them
             kept = torch.cat(chunks)[: max(0, start - first)]
-            chunks = [kept] if len(kept) else []
-        elif start > end:  # a gap: the drafter restarts its context here
-            first, chunks = start, []
+            chunks, n = ([kept] if len(kept) else []), len(kept)
+        elif start > first + n:  # a gap: the drafter restarts its context here
+            chunks, n = [], 0
         if not chunks:
             first = start
         chunks.append(h.clone())
-        while len(chunks) > 1 and sum(map(len, chunks)) - len(chunks[0]) >= PENDING_FEATURES:
-            first += len(chunks.pop(0))
-        self._pending[sid] = (first, chunks)
+        n += len(h)
+        while len(chunks) > 1 and n - len(chunks[0]) >= PENDING_FEATURES:  # (n kept: no re-summing per step)
+            dropped = len(chunks.pop(0))
+            first, n = first + dropped, n - dropped
+        self._pending[sid] = (first, chunks, n)
 
     def _take_features(self, sid: int) -> tuple[int, torch.Tensor] | None:
         """The pending features of `sid` as one (first position, [n, hidden]) block, now sent."""

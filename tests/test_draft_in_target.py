@@ -155,7 +155,9 @@ def test_undrafted_rows_keep_a_bounded_feature_tail(tiny_dir, prompts, monkeypat
 
     def spy(b, d):
         out = verify(b, d)
-        seen.extend(sum(map(len, chunks)) for _, chunks in eng.target._pending.values())
+        for _, chunks, n in eng.target._pending.values():
+            assert n == sum(map(len, chunks))  # the count kept beside the chunks
+            seen.append(n)
         return out
     eng.target.verify = spy
     eng.generate(prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
