@@ -174,3 +174,39 @@ def test_bf16_logits_do_not_depend_on_positions_per_forward(demo_dir):
                    for c in (2, 4, 8))
     finally:
         model.exact_positions = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_are_bit_identical(tiny_dir, dtype):
+    """setup_cache fuses q/k/v and gate/up into one matmul each (`FusedLinear`): the logits are
+    bit-identical to the separate layers' in ragged batches of 1 to 5 new tokens per row; the state
+    dict keeps the separate names; in-place weight loads reach the fused weight; training reads the
+    separate layers (their gradients)."""
+    fused, separate = load_model(tiny_dir, dtype=dtype), load_model(tiny_dir, dtype=dtype)
+    fused.setup_cache(3, 64)
+    separate.setup_cache(3, 64)
+    for layer in separate.layers:  # the separate layers run where nothing is fused
+        layer.self_attn.qkv.weight = layer.mlp.gate_up.weight = None
+    assert fused.layers[0].self_attn.qkv.weight is not None
+    assert fused.state_dict().keys() == separate.state_dict().keys()
+    assert not any(".qkv." in k or ".gate_up." in k for k in fused.state_dict())
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    with torch.inference_mode():
+        for model in (fused, separate):
+            for s, p in enumerate(prompts):
+                run_ragged(model, [p], [s], [0], [1])
+        for n in range(1, 6):
+            feeds = [[20 + n + r] * ((n + r) % 5 + 1) for r in range(3)]
+            starts = [len(p) + 5 * (n - 1) for p in prompts]
+            args = (feeds, [0, 1, 2], starts, [len(f) for f in feeds])
+            for a, b in zip(run_ragged(fused, *args), run_ragged(separate, *args)):
+                assert torch.equal(a, b)
+    with torch.no_grad():  # an in-place load after fusing reaches the fused weight
+        attn = fused.layers[0].self_attn
+        attn.k_proj.weight.mul_(2)
+        q, k, v = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]
+        assert torch.equal(attn.qkv.weight[q: q + k], attn.k_proj.weight)
+    fused.train()
+    x = torch.randn(1, 2, fused.args.hidden_size, dtype=dtype)
+    fused.layers[0].mlp(x).sum().backward()
+    assert fused.layers[0].mlp.gate_proj.weight.grad is not None
