@@ -52,6 +52,11 @@ class SpecBatch(Wire):
     # (its second choice there): the smallest draft tree, verified in the same target forward
     ngram_k: list[int] | None = None  # per row: how long drafts found by prompt lookup may run
     # (>= num_draft[i]; the hybrid's n-gram rows: no draft forward, so longer chains are cheap)
+    race: list[bool] | None = None  # a multi-step round: rows (sampled, unseeded: their output need not
+    # reproduce) whose in-target draft chains are raced with the noise of the positions they draft
+    # (TargetWorker._step_drafts, sampling.race_sample)
+    race_noise: list[Tensor | None] | None = None  # to an in-process proposer: per row, [k, vocab] Exp(1)
+    # noise of the positions it drafts; it takes the token its q wins the race with (never crosses processes)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
 
     def __len__(self) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.sampling import logits_to_probs, sample_from_probs
+from specdec.sampling import logits_to_probs, race_sample, sample_from_probs
 from specdec.wire import Wire
 
 
@@ -95,7 +95,7 @@ def random_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor,
 
 
 def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor,
-                   u_sample: Tensor) -> tuple[Tensor, Tensor]:
+                   u_sample: Tensor, race: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """Deterministic drafts (prompt lookup) checked against the target's own draws: at every
     position the target draws its token by inverse CDF with that position's uniform, exactly as a
     plain step would, and a draft is accepted while it equals the draw. The tokens emitted are
@@ -103,11 +103,18 @@ def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor
     the target's), and draft x is accepted with probability p(x), as `random_verify` with a
     one-hot q would. Needs one uniform per *position* of the sequence, never reused.
 
+    race[b] ([n, V] or None): row b draws its first n positions by the exponential race with that
+    noise (`sampling.race_sample`, the noise its drafts were raced with) instead of by inverse CDF:
+    an exact draw from the target as well, which the draft matches far more often.
+
     target_probs [B, K+1, V], draft_tokens [B, K], num_draft [B], u_sample [B, K+1]
     -> (num_accepted [B], final token [B]: the draw at the first mismatch, or the bonus)."""
     B, K = draft_tokens.shape
     draws = sample_from_probs(target_probs.reshape(B * (K + 1), -1), u_sample[:, : K + 1].reshape(-1))
     draws = draws.view(B, K + 1)  # [B, K+1]: what plain decoding draws at each position
+    for b, noise in enumerate(race or []):
+        if noise is not None:
+            draws[b, : len(noise)] = race_sample(target_probs[b, : len(noise)], noise)
     valid = torch.arange(K, device=draft_tokens.device)[None, :] < num_draft[:, None]
     n_acc = accepted_prefix((draft_tokens == draws[:, :K]) & valid)
     return n_acc, draws.gather(1, n_acc[:, None]).squeeze(1)
@@ -115,14 +122,16 @@ def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor
 
 def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor,
                      draft_probs: DraftProbs | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                     uniforms: Tensor, coupled: bool = False) -> tuple[Tensor, Tensor]:
+                     uniforms: Tensor, coupled: bool = False,
+                     race: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """Verify one batched round.
 
     target_logits [B, K+1, V]; draft_tokens [B, K] (rows padded past num_draft [B]);
     draft_probs: sparse q or None (then q is one-hot on the draft tokens);
     temperature/top_k/top_p [B]; uniforms [B, 2, K+1] (accept tests, recovered/bonus draws);
     coupled: sampled rows check their (deterministic) drafts with `coupled_verify`, where
-    uniforms[:, 1, j] belongs to the j-th position (no accept tests are drawn).
+    uniforms[:, 1, j] belongs to the j-th position (no accept tests are drawn); `race`: per row,
+    the noise of positions a sampled row draws by the exponential race (see `coupled_verify`).
     Returns (output_tokens [B, K+1] with -1 after each row's end, num_accepted [B]).
     """
     if coupled and draft_probs is not None:
@@ -136,7 +145,8 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Ten
         p = logits_to_probs(target_logits[r].reshape(-1, V), temperature[r].repeat_interleave(K1),
                             top_k[r].repeat_interleave(K1), top_p[r].repeat_interleave(K1)).view(-1, K1, V)
         if coupled:
-            n_r, f_r = coupled_verify(p, draft_tokens[r], num_draft[r], uniforms[r, 1])
+            n_r, f_r = coupled_verify(p, draft_tokens[r], num_draft[r], uniforms[r, 1],
+                                      None if race is None else [race[i] for i in r.tolist()])
         else:
             if draft_probs is None:
                 q = torch.zeros(len(r), K, V, device=p.device).scatter_(2, draft_tokens[r, :, None], 1.0)

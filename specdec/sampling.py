@@ -13,6 +13,7 @@ by 1e-38 overflows to NaN probabilities.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -101,6 +102,44 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     if bool(bad.any()):
         idx = torch.where(bad, probs.argmax(-1), idx)
     return idx
+
+
+_MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # SplitMix64's odd constants (signed)
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_keys(n: int, device: str) -> Tensor:
+    return torch.arange(1, n + 1, dtype=torch.int64, device=device) * _MIX[0]
+
+
+def race_noise(u: Tensor, n: int) -> Tensor:
+    """[N, n] float32 Exp(1) variates for token ids 0..n-1, one independent row per uniform of
+    u [N] (float64 in [0, 1), 53 bits): SplitMix64 (Steele et al. 2014) of (the uniform's 53 bits,
+    token id), a counter-based stream keyed by every bit (a torch.Generator keeps only 32). A
+    position's uniform thus fixes the noise of all its tokens, in whichever process needs it."""
+    key = (u.double() * 2.0 ** 53).long()  # [N]: the 53 random bits
+    x = key[:, None] ^ _token_keys(n, str(u.device))[None, :]
+    x = (x ^ _shr(x, 30)) * _MIX[1]
+    x = (x ^ _shr(x, 27)) * _MIX[2]
+    x = x ^ _shr(x, 31)
+    unit = (_shr(x, 11) + 1).double() * 2.0 ** -53  # (0, 1]
+    return (-torch.log(unit)).float()
+
+
+def race_sample(probs: Tensor, noise: Tensor) -> Tensor:
+    """The exponential race (the Gumbel-max trick): argmax_v probs_v / E_v with E_v ~ Exp(1) iid is
+    an exact sample from probs (which need not sum to 1). probs, noise: [N, V] -> [N].
+
+    Two distributions raced with the same noise pick the same token with probability close to
+    sum min(p, q), the most any coupling reaches (Gumbel coupling; e.g. Daliri et al. 2024), so a
+    draft that races its q with the noise of the position it drafts for proposes the target's own
+    draw far more often than its argmax does (TargetWorker, in-target chains of unseeded sampled rows)."""
+    return (probs.float() / noise).argmax(-1)
 
 
 def _stream(base_seed: int, position: int, k: int, n: int) -> bytes:

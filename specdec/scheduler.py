@@ -192,6 +192,7 @@ class Scheduler:
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
             siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
             ngram_k=ngram_k,
+            race=[not s.params.greedy and s.params.seed is None for s in seqs] if lookup else None,
         )
         return RoundPlan(seqs, batch, prefill)
 

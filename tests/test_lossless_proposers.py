@@ -239,7 +239,7 @@ class _OneDrawPerStep(TargetWorker):
 
 
 def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0, case=CASES[0],
-                   prompts=LOOKUP_PROMPTS, corpus=None):
+                   prompts=LOOKUP_PROMPTS, corpus=None, seeded: bool = True):
     """p-values per prompt of n seeded requests through plain rounds of up to STEPS tokens whose rows
     verify prompt-lookup tokens (continued from `corpus`, if any) in the same forward (batches of
     BATCH requests, so that none waits and rounds run multi-step: the prefill round draws x1, one
@@ -251,7 +251,8 @@ def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0,
     out = []
     for lo in range(0, n, BATCH):
         params = [SamplingParams(max_tokens=STEPS, temperature=case[0], top_k=case[1], top_p=case[2],
-                                 seed=seed0 + i, ignore_eos=True) for i in range(lo, min(n, lo + BATCH))]
+                                 seed=None if seeded is False else seed0 + i, ignore_eos=True)
+                  for i in range(lo, min(n, lo + BATCH))]
         out += [s.output_ids for s in eng.generate([prompts[i % 2] for i in range(lo, lo + len(params))], params)]
     out = torch.tensor(out)  # [n, STEPS]
     codes = out[:, 0] * V * V + out[:, 1] * V + out[:, 2]
@@ -277,6 +278,57 @@ def test_sampled_draft_in_target_is_lossless(models, case):
                             prompts=[DISTINCT, DISTINCT[::-1]])
     assert st.target_draft_accepted > N // 25 and st.target_drafted > st.target_draft_accepted  # both paths taken
     assert min(pv) > ALPHA, pv
+
+
+class _Raced(TargetWorker):
+    """Counts the chain positions drawn by the exponential race (TargetWorker._race_noise)."""
+    raced = 0
+
+    def _race_noise(self, batch, i, e, k):
+        noise = super()._race_noise(batch, i, e, k)
+        type(self).raced += 0 if noise is None else len(noise)
+        return noise
+
+
+class _PositionNoise(_Raced):
+    """Broken: race noise keyed by the position in the round, not by the sequence's own draws (every
+    request then races with the same noise there: its draw is a function of the context)."""
+
+    def _race_noise(self, batch, i, e, k):
+        from specdec.sampling import race_noise
+        noise = super()._race_noise(batch, i, e, k)
+        return None if noise is None else race_noise(torch.arange(e, e + k, dtype=torch.float64) / 64, noise.shape[1])
+
+
+def _sample_raced(models, worker, case, seed0: int, monkeypatch):
+    """Unseeded requests (their base seeds from a counter here, so that the run is deterministic)
+    through the in-target drafter: sampled rows without a seed race their chains."""
+    import itertools
+
+    import specdec.sequence
+    ref, target, _, eagle = models
+    seeds = itertools.count(seed0)
+    monkeypatch.setattr(specdec.sequence, "new_base_seed", lambda seed: next(seeds) if seed is None else seed)
+    worker.raced = 0
+    make = lambda t, b, m, corpus=None: worker(t, b, m, corpus=corpus, drafter=EagleProposer(eagle, b, m))  # noqa: E731
+    return _sample_lookup(ref, target, make, case=case, prompts=[DISTINCT, DISTINCT[::-1]], seeded=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
+def test_sampled_raced_draft_in_target_is_lossless(models, case, monkeypatch):
+    """Unseeded sampled rows: the in-target drafter's chains are raced with the noise of the
+    positions they draft, and those positions are drawn by the exponential race with the same
+    noise (TargetWorker._step_drafts): the draws are still exactly the target's."""
+    pv, st = _sample_raced(models, _Raced, case, 110_000 + 1000 * CASES.index(case), monkeypatch)
+    assert _Raced.raced > N // 4  # the race path ran
+    assert st.target_draft_accepted > N // 25 and st.target_drafted > st.target_draft_accepted
+    assert min(pv) > ALPHA, pv
+
+
+def test_harness_rejects_race_noise_not_keyed_by_the_sequence(models, monkeypatch):
+    pv, st = _sample_raced(models, _PositionNoise, CASES[0], 120_000, monkeypatch)
+    assert _PositionNoise.raced > N // 4
+    assert min(pv) < ALPHA, pv
 
 
 class _CountFills(TargetWorker):

@@ -221,3 +221,37 @@ def test_uniforms_use_every_bit_of_the_seed():
     assert torch.equal(round_uniforms(new_base_seed(1), 7, 3), a)  # and stay reproducible
     u = torch.cat([round_uniforms(s, 0, 15).flatten() for s in range(200)])
     assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
+
+
+def test_race_sample_draws_from_p_and_its_noise_is_keyed_by_each_uniform():
+    """The exponential race with noise keyed by a uniform is an exact sample (chi-square), never
+    a zero-probability token; a row's noise depends on its own uniform only (deterministic, whatever
+    shares the call), and differs between uniforms."""
+    from specdec.sampling import race_noise, race_sample
+    p = torch.tensor([0.05, 0.0, 0.4, 0.25, 0.0, 0.3])
+    u = torch.rand(40_000, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x = race_sample(p.expand(len(u), -1), race_noise(u, len(p)))
+    counts = torch.bincount(x, minlength=len(p))
+    assert counts[1] == counts[4] == 0
+    keep = p > 0
+    assert chisquare(counts[keep].numpy(), (p[keep] * len(u)).numpy()).pvalue > 1e-3
+    assert torch.equal(race_noise(u[3:4], 50), race_noise(u[:8], 50)[3:4])
+    assert not torch.equal(race_noise(u[:1], 50), race_noise(u[1:2], 50))
+
+
+def test_coupled_verify_races_the_positions_it_is_given_noise_for():
+    """Positions with race noise are the race's draw from the target's probabilities (the draft
+    accepted where it equals it); the others keep the inverse-CDF draw of their uniform."""
+    from specdec.rejection_sampler import coupled_verify
+    from specdec.sampling import race_noise, race_sample
+    torch.manual_seed(2)
+    p = torch.softmax(torch.randn(2, 3, 7), -1)  # [B, K+1, V]
+    u = torch.rand(2, 3, dtype=torch.float64)
+    noise = race_noise(u[0, :2], 7)
+    raced = race_sample(p[0, :2], noise)
+    drafts = torch.stack([raced, torch.tensor([0, 0])])  # row 0 drafts exactly the race's draws
+    n_acc, final = coupled_verify(p, drafts, torch.tensor([2, 2]), u, race=[noise, None])
+    assert int(n_acc[0]) == 2 and int(final[0]) == int(sample_from_probs(p[0, 2:], u[0, 2:])[0])
+    plain = sample_from_probs(p[1], u[1])
+    n1 = int(n_acc[1])
+    assert int(final[1]) == int(plain[n1]) and all(int(plain[j]) == 0 for j in range(n1))

@@ -23,7 +23,7 @@ from specdec.metadata import U_DRAFT, DraftOutput, SpecBatch
 from specdec.proposers.base import TOP_J, Proposer
 from specdec.rejection_sampler import DraftProbs
 from specdec.runner import CacheFullError, SlotTable, run_ragged
-from specdec.sampling import logits_to_probs, sample_from_probs
+from specdec.sampling import logits_to_probs, race_sample, sample_from_probs
 
 
 class DraftModelProposer(Proposer):
@@ -69,10 +69,24 @@ class DraftModelProposer(Proposer):
             local = torch.where(greedy, local, sampled)
             q_ids = torch.where(greedy[:, None], q_ids, ids)
             q_vals = torch.where(greedy[:, None], q_vals, vals.float())
+            if batch.race_noise is not None:
+                local = self._race(probs, local, rows, batch, step)
         local, q_ids, q_vals = local.cpu(), q_ids.cpu(), q_vals.cpu()
         if self.token_map is not None:
             return self.token_map[local], self.token_map[q_ids], q_vals
         return local, q_ids, q_vals
+
+    def _race(self, probs: Tensor, local: Tensor, rows: list[int], batch: SpecBatch, step: int) -> Tensor:
+        """Rows sent race noise (TargetWorker's chains of unseeded sampled rows) take the token their
+        q wins the exponential race with, using the noise of the target's draw at the position drafted
+        (`sampling.race_sample`): that token is the target's own draw with probability close to
+        sum min(p, q). probs: [n, V_draft] (this draft's q); local: [n] choices so far."""
+        for r, i in enumerate(rows):
+            noise = batch.race_noise[i]
+            if noise is not None and step < len(noise):
+                n = noise[step] if self.token_map is None else noise[step][self.token_map]
+                local[r] = race_sample(probs[r: r + 1], n[None].to(probs.device))[0]
+        return local
 
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> DraftOutput:
