@@ -15,9 +15,10 @@ Configurations alternate question by question (order reversed every other questi
 ratio over plain in the same run, the in-target draft's accepted/proposed tokens, and whether
 every output equals plain decoding's (it must: drafts are checked against plain decoding's draws).
 Requests are seeded by default (sampled rows then keep the draft's greedy chain where it equals
-their draw); `--unseeded` sends them without a seed, as most clients do: sampled rows then race
-their chains with the noise of their own draws (TargetWorker._step_drafts), and their outputs are
-samples, not comparable token for token.
+their draw); `--seeding unseeded` sends the in-target draft's requests without a seed, as most
+clients do: sampled rows then race their chains with the noise of their own draws
+(TargetWorker._step_drafts), and their outputs are samples, not comparable token for token;
+`--seeding both` runs the draft modes both ways, alternated with the rest.
 """
 from __future__ import annotations
 
@@ -59,15 +60,19 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--unseeded", action="store_true", help="requests without a seed (the race for sampled rows)")
+    ap.add_argument("--seeding", choices=("seeded", "unseeded", "both"), default="seeded",
+                    help="the draft modes' requests: with a seed, without one (the race for sampled rows), or both")
+    ap.add_argument("--prompts", default="fresh", choices=sorted(PROMPT_SETS))
     a = ap.parse_args()
     tok, model, corpus = demo_target(a.threads)
     eagle = load_eagle("smollm2-eagle", model, torch.bfloat16)
-    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in PROMPT_SETS["fresh"][: a.questions]]
-    modes = ["plain", "lookup"] + [f"draft k{k}" for k in a.ks.split(",")]
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in PROMPT_SETS[a.prompts][: a.questions]]
+    drafts = [f"draft k{k}" for k in a.ks.split(",")]
+    modes = ["plain", "lookup"] + {"seeded": drafts, "unseeded": [f"{d} unseeded" for d in drafts],
+                                   "both": [f"{d}{u}" for d in drafts for u in ("", " unseeded")]}[a.seeding]
     rows = []
     for t in (float(v) for v in a.temperatures.split(",")):
-        engines = {m: make_engine(model, tok, corpus, eagle, m) for m in modes}
+        engines = {m: make_engine(model, tok, corpus, eagle, m.removesuffix(" unseeded")) for m in modes}
         spent = {m: [0, 0.0] for m in modes}
         same = {m: True for m in modes}
         for i, p in enumerate(tqdm(prompts, desc=f"T={t}")):
@@ -75,7 +80,7 @@ def main() -> None:
             for m in (modes if i % 2 == 0 else modes[::-1]):
                 t0 = time.perf_counter()
                 seq = engines[m].generate([p], SamplingParams(max_tokens=a.max_tokens, temperature=t,
-                                                              seed=None if a.unseeded else i,
+                                                              seed=None if m.endswith("unseeded") else i,
                                                               ignore_eos=True))[0]
                 spent[m][1] += time.perf_counter() - t0
                 spent[m][0] += len(seq.output_ids)
@@ -88,9 +93,8 @@ def main() -> None:
             tps = spent[m][0] / spent[m][1]
             rows.append((t, m, tps, tps / base, f"{st.target_draft_accepted}/{st.target_drafted}",
                          f"{st.lookup_accepted}/{st.lookup_proposed}",
-                         "n/a (unseeded)" if a.unseeded and t > 0 else "yes" if same[m] else "NO"))
-    print(f"\nbatch 1, bf16, {a.questions} fresh questions x {a.max_tokens} tokens, 8 steps per call, "
-          f"{'unseeded' if a.unseeded else 'seeded'} requests")
+                         "n/a (unseeded)" if m.endswith("unseeded") and t > 0 else "yes" if same[m] else "NO"))
+    print(f"\nbatch 1, bf16, {a.questions} {a.prompts} questions x {a.max_tokens} tokens, 8 steps per call")
     print("| T | mode | tokens/s | vs plain | in-target draft accepted/proposed | all lookups accepted/proposed | same output |")
     print("|---|---|---|---|---|---|---|")
     for t, m, tps, ratio, drafted, looked, same in rows:

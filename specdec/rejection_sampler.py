@@ -17,7 +17,9 @@ Words used everywhere in this project (and only in these senses):
 Greedy rows (temperature 0) accept while draft == argmax(target) and then emit the argmax.
 A draft without probabilities (n-gram) has a one-hot q. Prompt lookup inside multi-step plain
 rounds is checked by `coupled_verify` instead: the target's own draws, one uniform per position,
-so that its sampled output is plain decoding's token for token. A draft with a reduced vocabulary has q
+so that its sampled output is plain decoding's token for token. There, the in-target draft's chains
+of unseeded sampled rows are drawn and checked by the exponential race (`sampling.race_sample`):
+draft and target race with the same noise, an exact draw that the draft matches often. A draft with a reduced vocabulary has q
 zero outside it; the residual max(0, p - q) then still covers every token the target can emit.
 """
 from __future__ import annotations

@@ -4,7 +4,10 @@ Randomness never comes from a global generator: every sequence has a base seed (
 or fresh entropy) and the uniforms of a round are drawn from a generator keyed by (base seed,
 sequence length). A seeded request is therefore reproducible whatever else shares its batch, and
 however often a round is retried (a replica lost, no free cache slot). Samples are drawn by
-inverse CDF from one uniform each, which lets the uniforms travel to other processes.
+inverse CDF from one uniform each, which lets the uniforms travel to other processes. Where a draft
+must guess the target's draw (the in-target draft's chains of unseeded sampled rows), a position
+is drawn instead by the exponential race (Gumbel-max) with noise keyed by its uniform
+(`race_noise`, `race_sample`): the draft races its own q with the same noise.
 
 The uniforms come from a hash (SHAKE-128) of the whole seed, position and k, not from a seeded
 torch generator: `torch.Generator.manual_seed` keeps only 32 bits, so seeds 1 and 1 + 2**32
