@@ -116,7 +116,7 @@ def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor
     draws = draws.view(B, K + 1)  # [B, K+1]: what plain decoding draws at each position
     for b, noise in enumerate(race or []):
         if noise is not None:
-            draws[b, : len(noise)] = race_sample(target_probs[b, : len(noise)], noise)
+            draws[b, : len(noise)] = race_sample(target_probs[b, : len(noise)], noise.to(target_probs.device))
     valid = torch.arange(K, device=draft_tokens.device)[None, :] < num_draft[:, None]
     n_acc = accepted_prefix((draft_tokens == draws[:, :K]) & valid)
     return n_acc, draws.gather(1, n_acc[:, None]).squeeze(1)

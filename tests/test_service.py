@@ -232,6 +232,8 @@ def test_draft_in_target_is_plain_decoding_through_http(deploy, ray_cluster, tin
     body = {"model": model, "prompt": "def f(", "max_tokens": 16, "temperature": 1.0, "n": 3, "seed": 7}
     a, b = post(url, "/v1/completions", body).json(), post(url, "/v1/completions", body).json()
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    unseeded = post(url, "/v1/completions", {**body, "seed": None, "ignore_eos": True}).json()  # raced chains
+    assert unseeded["usage"]["completion_tokens"] == 3 * 16
     assert_idle("intarget", url)
     from ray import serve
     assert serve.get_deployment_handle("Target", app_name="intarget").stats.remote().result()["draft_in_target_active"] == 0
