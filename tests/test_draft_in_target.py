@@ -2,7 +2,8 @@
 in the target's own process drafts the rows that prompt lookup finds nothing for, from the
 features the target has just computed. Its chains are checked against plain decoding's own draws
 (argmax for greedy rows, the row's seeded draw for sampled ones), so the output is plain
-decoding's token for token; its chains are the draft's own from the true features (a cache-free
+decoding's token for token (unseeded sampled rows race their chains instead: exact draws, tested
+statistically in tests/test_lossless_proposers.py); its chains are the draft's own from the true features (a cache-free
 recompute); accepted drafts save forwards; finished sequences free its state."""
 import pytest
 import torch
@@ -29,10 +30,10 @@ def make_eagle(target, seed=0):
     return draft.to(target.dtype).eval()
 
 
-def engine(target, drafter=None, batch=4, k=2, lookup_k=2, plain_steps=8):
+def engine(target, drafter=None, batch=4, k=2, lookup_k=2, plain_steps=8, worker=TargetWorker):
     """Plain rounds only (k_max 0), `plain_steps` per call, lookups in every multi-step round (not
     adaptive: the LookupGate would decide by timings)."""
-    return LLMEngine(TargetWorker(target, batch, 256, drafter=drafter, draft_k=k), NgramProposer(), None,
+    return LLMEngine(worker(target, batch, 256, drafter=drafter, draft_k=k), NgramProposer(), None,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=0, plain_steps=plain_steps,
                                   lookup_k=lookup_k, lookup_max_batch=8, ngram_k=8, adaptive=False),
                      eos_token_ids=[])
@@ -69,6 +70,37 @@ def test_drafted_sampled_rows_draw_what_plain_rounds_draw(tiny_dir, prompts):
     eng = engine(target, EagleProposer(make_eagle(target), 4, 256))
     assert outputs(eng, prompts, params) == ref
     assert eng.stats.target_drafted > 0
+
+
+class RaceCounter(TargetWorker):
+    """Counts the chain positions drawn by the exponential race."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.raced = 0
+
+    def _race_noise(self, batch, i, e, k):
+        noise = super()._race_noise(batch, i, e, k)
+        self.raced += 0 if noise is None else len(noise)
+        return noise
+
+
+def test_unseeded_sampled_rows_race_beside_rows_that_must_reproduce(tiny_dir, prompts):
+    """An unseeded sampled row races its chains (sampling.race_sample) in the same lane as a seeded
+    sampled row and greedy rows, which still emit plain decoding's tokens; seeded rows never race."""
+    target = load_model(tiny_dir)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=23, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    unseeded = SamplingParams(max_tokens=27, temperature=0.8, top_p=0.9, ignore_eos=True)
+    ref = outputs(engine(target, plain_steps=1, lookup_k=0), prompts, [seeded, greedy, unseeded, greedy])
+    eng = engine(target, EagleProposer(make_eagle(target), 4, 256), worker=RaceCounter)
+    out = outputs(eng, prompts, [seeded, greedy, unseeded, greedy])
+    assert [out[i] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
+    assert len(out[2]) == 27 and eng.target.raced > 0
+    seeded_only = engine(target, EagleProposer(make_eagle(target), 4, 256), worker=RaceCounter)
+    assert outputs(seeded_only, prompts, [seeded, greedy, seeded, greedy]) == \
+        outputs(engine(target, plain_steps=1, lookup_k=0), prompts, [seeded, greedy, seeded, greedy])
+    assert seeded_only.target.raced == 0 and seeded_only.stats.target_drafted > 0
 
 
 class Recorder(EagleProposer):
