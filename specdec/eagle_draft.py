@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specdec.model import BatchIndex, DecoderLayer, ModelArgs, Transformer
+from specdec.model import BatchIndex, DecoderLayer, Linear, ModelArgs, Transformer
 
 EAGLE_KIND = "eagle"
 
@@ -47,11 +47,11 @@ class EagleDraft(Transformer):
         self.args = ModelArgs(**{**asdict(args), "num_layers": num_layers})
         H = args.hidden_size
         self.feature_layers = tuple(feature_layers)  # the target layers fused before its final feature
-        self.fuse = nn.Linear((len(self.feature_layers) + 1) * H, H, bias=False) if self.feature_layers else None
-        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.fuse = Linear((len(self.feature_layers) + 1) * H, H, bias=False) if self.feature_layers else None
+        self.fc = Linear(2 * H, H, bias=True)
         self.layers = nn.ModuleList(DecoderLayer(self.args) for _ in range(num_layers))
         self.embed_tokens = nn.Embedding(args.vocab_size, H)  # the target's, frozen, not saved
-        self.lm_head = nn.Linear(H, draft_vocab, bias=False)  # the target's kept rows, frozen, not saved
+        self.lm_head = Linear(H, draft_vocab, bias=False)  # the target's kept rows, frozen, not saved
         self.register_buffer("token_map", torch.arange(draft_vocab), persistent=False)
         self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
         self.attention_scaling = 1.0
@@ -72,10 +72,10 @@ class EagleDraft(Transformer):
             draft = cls(args, len(token_map), num_layers, feature_layers)
         H = args.hidden_size
         with torch.device(target.device):
-            draft.fc = nn.Linear(2 * H, H, bias=True)
+            draft.fc = Linear(2 * H, H, bias=True)
             draft.layers = nn.ModuleList(DecoderLayer(draft.args) for _ in range(num_layers))
             if draft.feature_layers:
-                draft.fuse = nn.Linear((len(draft.feature_layers) + 1) * H, H, bias=False)
+                draft.fuse = Linear((len(draft.feature_layers) + 1) * H, H, bias=False)
                 with torch.no_grad():
                     draft.fuse.weight.zero_()[:, -H:] = torch.eye(H)
         draft.attach_target(target, token_map)
@@ -86,7 +86,7 @@ class EagleDraft(Transformer):
         self.embed_tokens = target.embed_tokens
         self.embed_tokens.weight.requires_grad_(False)
         w = target.lm_head.weight.detach()[token_map.to(target.lm_head.weight.device)]
-        self.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        self.lm_head = Linear(w.shape[1], w.shape[0], bias=False, device="meta")
         self.lm_head.weight = nn.Parameter(w.clone(), requires_grad=False)
         self.token_map = token_map.to(w.device)
         self.inv_freq, self.attention_scaling = target.inv_freq, target.attention_scaling

@@ -172,7 +172,7 @@ def load_hf_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32):
 
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load `spec` as a compact `Transformer` (see specdec.model) in `dtype` on `device`."""
-    from specdec.model import Transformer
+    from specdec.model import Linear, Transformer
 
     hf = load_hf_model(spec, dtype=torch.float32)
     model = Transformer.from_hf(hf, dtype=dtype)
@@ -182,7 +182,7 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         model.extra = extra
         if extra.get("draft_vocab"):  # reduced draft head (FR-Spec): keep only the draft_vocab rows
             w = model.lm_head.weight[torch.tensor(extra["draft_vocab"], dtype=torch.long)]
-            model.lm_head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            model.lm_head = Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             model.lm_head.weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
     return model.to(device)
 

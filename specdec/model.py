@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec import envs
+
 
 @dataclass
 class ModelArgs:
@@ -150,6 +152,66 @@ class BatchIndex:
         )
 
 
+PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for (rows of a step at batch 1: see `lone`)
+
+
+def _can_pack() -> dict[torch.dtype, bool]:
+    """Weight dtypes this build of torch can prepack for oneDNN's CPU matmul."""
+    if not (envs.PACK_WEIGHTS and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return {}
+    return {torch.float32: True, torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+
+
+_PACKABLE = _can_pack()
+
+
+class PackedWeight:
+    """oneDNN's prepacked (blocked) copy of a CPU linear layer's weight, and the matmul that reads it.
+
+    At a few rows per forward (decoding, verification) a CPU forward is a stream of the weights
+    through matrix-vector products; F.linear reads a plain row-major weight at ~16 GB/s on this
+    2-core CPU (bf16, a weight larger than the cache; float32: 5 GB/s) where the memory delivers
+    ~60. The same weight reordered once into oneDNN's blocked layout (what inductor's CPU freezing
+    pass does, `mkldnn._linear_pointwise`) streams at ~29 GB/s: a bf16 forward of the demo target at
+    batch 1 takes ~28 ms instead of ~37-41, and 5 positions cost no more than 1
+    (bench/packed_weights.py). The copy is made on first use and again whenever the weight changes
+    (another storage, e.g. tensor-parallel sharding, or an in-place load: its version counter), so
+    it never goes stale; it costs a second copy of the linear weights in memory
+    (SPECDEC_PACK_WEIGHTS=0: plain F.linear, no copy). Only CPU inference takes it: autograd, other
+    devices and dtypes run F.linear. A row's result does not depend on how many rows share the
+    call (1-8, tests/test_model.py), which bf16 speculation's identity with plain decoding needs.
+    """
+
+    __slots__ = ("key", "weight")
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.weight: Tensor | None = None
+
+    def linear(self, x: Tensor, w: Tensor, b: Tensor | None, parts: tuple[Tensor, ...] = ()) -> Tensor:
+        """F.linear(x, w, b); `parts`: tensors that `w` is made of whose in-place changes it does
+        not see in its own version counter (FusedLinear's layers, whose weights are views set via .data)."""
+        if (not _PACKABLE.get(w.dtype) or x.dtype != w.dtype or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, b)
+        key = (w.data_ptr(), w.shape, *(None if t.is_inference() else t._version for t in (w, *parts)))
+        if key != self.key:
+            self.weight, self.key = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS), key
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, b, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose CPU inference matmul reads a `PackedWeight`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.packed.linear(x, self.weight, self.bias)
+
+
 class FusedLinear(nn.Module):
     """Linear layers that read the same input, run as one matmul at inference (gpt-fast's wqkv,
     vLLM's QKVParallelLinear / MergedColumnParallelLinear): the q/k/v projections, the MLP's gate
@@ -165,6 +227,8 @@ class FusedLinear(nn.Module):
         self.register_buffer("weight", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.sizes: list[int] = []
+        self.parts: tuple[Tensor, ...] = ()  # the layers' weights (views of `weight`): the packed copy watches them
+        self.packed = PackedWeight()
 
     @torch.no_grad()
     def fuse(self, *layers: nn.Linear) -> None:
@@ -176,6 +240,7 @@ class FusedLinear(nn.Module):
         self.bias = _stack([lin.bias for lin in layers]) if all(biased) else None
         self.sizes = [lin.weight.shape[0] for lin in layers]
         self.weight = w
+        self.parts = tuple(lin.weight for lin in layers)
         for lin, part, b in zip(layers, w.split(self.sizes), self.bias.split(self.sizes) if self.bias is not None
                                 else [None] * len(layers)):
             lin.weight.data = part
@@ -186,7 +251,7 @@ class FusedLinear(nn.Module):
         """The layers' outputs from one matmul, or None (not fused, or training)."""
         if self.weight is None or training:
             return None
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.packed.linear(x, self.weight, self.bias, self.parts).split(self.sizes, dim=-1)
 
 
 def _stack(parts: list[Tensor]) -> Tensor:
@@ -224,10 +289,10 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.q_proj = Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
+        self.k_proj = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.v_proj = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.o_proj = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
@@ -297,9 +362,9 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.gate_up = FusedLinear()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -329,7 +394,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # kept in float32 outside the module's buffers so that .to(bfloat16) cannot round it
         self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device="cpu").float() / args.head_dim))
         self.attention_scaling = 1.0

@@ -210,3 +210,50 @@ def test_fused_projections_are_bit_identical(tiny_dir, dtype):
     x = torch.randn(1, 2, fused.args.hidden_size, dtype=dtype)
     fused.layers[0].mlp(x).sum().backward()
     assert fused.layers[0].mlp.gate_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_follow_the_weights_and_keep_rows_invariant(tiny_dir, dtype, monkeypatch):
+    """CPU inference multiplies with oneDNN's prepacked weights (`PackedWeight`): the logits agree
+    with plain F.linear's, a row's logits do not depend on how many rows share the matmul (1-8), an
+    in-place load or a new weight reaches the packed copy, and autograd runs F.linear."""
+    from specdec import model as model_mod
+
+    if not model_mod._PACKABLE.get(dtype):
+        pytest.skip(f"this torch build cannot prepack {dtype} weights")
+    packable = dict(model_mod._PACKABLE)
+    model = load_model(tiny_dir, dtype=dtype)
+    model.setup_cache(8, 64)
+    head = model.lm_head
+
+    def logits(packed: bool) -> torch.Tensor:
+        monkeypatch.setattr(model_mod, "_PACKABLE", packable if packed else {})
+        with torch.inference_mode():
+            return run_ragged(model, [[3, 4, 5, 6, 7]], [0], [0], [5])[0]
+
+    assert head.packed.weight is None
+    unpacked = logits(False)
+    assert head.packed.weight is None  # switched off: F.linear, no copy
+    packed = logits(True)
+    assert head.packed.weight is not None and model.layers[0].self_attn.qkv.packed.weight is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(packed, unpacked, atol=tol, rtol=0)
+
+    x = torch.randn(8, head.in_features, dtype=dtype)
+    with torch.inference_mode():
+        rows = [head(x[:n]) for n in range(1, 9)]
+    assert all(torch.equal(r, rows[-1][: len(r)]) for r in rows)
+
+    with torch.no_grad():  # an in-place load: the packed copy follows (version counter)
+        head.weight.mul_(2)
+        model.layers[0].mlp.up_proj.weight.add_(0.5)
+    assert torch.allclose(logits(True), logits(False), atol=2 * tol, rtol=0)
+    assert not torch.allclose(logits(True), packed, atol=2 * tol, rtol=0)
+    head.weight = torch.nn.Parameter(head.weight.detach() * 0.5)  # a new weight (as tensor parallelism shards)
+    assert torch.allclose(logits(True), logits(False), atol=tol, rtol=0)
+
+    monkeypatch.setattr(model_mod, "_PACKABLE", packable)
+    w = torch.nn.Parameter(head.weight.detach().clone())
+    head.weight = w
+    head(torch.randn(2, head.in_features, dtype=dtype)).sum().backward()  # autograd: F.linear
+    assert w.grad is not None
