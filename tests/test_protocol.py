@@ -517,11 +517,14 @@ def test_overloaded_retry_after_header():
 
 
 def test_sse_framing():
-    chunk = P.ChatResponses(request_id="x", model="m", created=1).chunk(0, "a\nb ✓")
+    """One event is one line of JSON for every line reader: also for those that split where
+    str.splitlines does (U+2028, U+2029, U+0085 inside generated text; httpx's aiter_lines)."""
+    text = "a\nb ✓ \u2028c\u2029d\x85e\r"
+    chunk = P.ChatResponses(request_id="x", model="m", created=1).chunk(0, text)
     for framed, payload in [(P.sse(chunk), chunk),
-                            (P.sse({"error": {"message": "m"}}), {"error": {"message": "m"}})]:
+                            (P.sse({"error": {"message": text}}), {"error": {"message": text}})]:
         assert framed.startswith("data: ") and framed.endswith("\n\n")
-        assert framed.count("\n") == 2  # one line of JSON
+        assert framed.count("\n") == 2 and len(framed.splitlines()) == 2  # one line of JSON (and a blank one)
         assert json.loads(framed[len("data: "):]) == (P.wire(payload) if isinstance(payload, BaseModel) else payload)
     assert P.SSE_DONE == "data: [DONE]\n\n"
 

@@ -165,8 +165,13 @@ def model_list(model_ids: Iterable[str], *, created: int | None = None, owned_by
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters that str.splitlines (and line readers built on it, e.g. httpx's aiter_lines) break lines
+# at, which JSON leaves raw inside strings: escaped, so that an event stays one line for every reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: BaseModel | dict[str, Any]) -> str:
     """Frame a response model (its `wire` form) or dict as one SSE event: "data: <json>\\n\\n"."""
-    if isinstance(obj, BaseModel):
-        return f"data: {obj.model_dump_json(exclude_unset=True)}\n\n"
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    data = (obj.model_dump_json(exclude_unset=True) if isinstance(obj, BaseModel)
+            else json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
