@@ -9,7 +9,8 @@ multi-step plain rounds at concurrency 1 (8 steps per call, the adaptive LookupG
 - plain: no lookups (the service with speculation off);
 - lookup: prompt lookup continued from the corpus (the service before the in-target draft);
 - draft kK: lookups, and rows that prompt lookup finds nothing for drafted K tokens per step by the
-  shipped EAGLE draft in the same process (the service's default: K = draft_in_target_k, 2).
+  shipped EAGLE draft in the same process, K for every row (the service's default: 3 for greedy
+  rows, `draft_in_target_greedy_k`, and 2 for sampled ones, `draft_in_target_k`).
 
 Configurations alternate question by question (order reversed every other question); tokens/s,
 ratio over plain in the same run, the in-target draft's accepted/proposed tokens, and whether

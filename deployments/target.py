@@ -51,7 +51,8 @@ class TargetConfig(ModelRuntime):
     worker_gpus: float = Field(0, ge=0, description="GPUs each TP worker actor asks for.")
     lookup_corpus: str | None = Field(None, description="Corpus of the target's own answers (specdec.corpus: an .npz file, or a shipped corpus's name) that continues prompt-lookup drafts in multi-step plain rounds; None: prompt lookup alone.")
     draft_in_target: str | None = Field(None, description="An EAGLE-style draft checkpoint that the replica also loads (tp=1; it shares the target's embedding and head): in multi-step plain rounds it drafts the rows that prompt lookup finds nothing for, from the features computed in this process (TargetWorker.drafter); None: lookups only.")
-    draft_in_target_k: int = Field(2, ge=1, le=8, description="Tokens the in-target draft proposes per row and step.")
+    draft_in_target_k: int = Field(2, ge=1, le=8, description="Tokens the in-target draft proposes per sampled row and step.")
+    draft_in_target_greedy_k: int | None = Field(None, ge=1, le=8, description="Tokens it proposes per greedy row and step; None: draft_in_target_k.")
 
     @model_validator(mode="after")
     def _draft_needs_one_rank(self) -> "TargetConfig":
@@ -153,7 +154,7 @@ class TargetDeployment:
             model = TPGroupModel(model, self.workers)
         corpus = NgramCorpus.load(resolve_corpus(self.cfg.lookup_corpus)) if self.cfg.lookup_corpus else None
         return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden, corpus,
-                            self._drafter(model), self.cfg.draft_in_target_k)
+                            self._drafter(model), self.cfg.draft_in_target_k, self.cfg.draft_in_target_greedy_k)
 
     def _drafter(self, model):
         """The in-target draft (TargetConfig.draft_in_target), sharing the target's embedding and head, or None."""

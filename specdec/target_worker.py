@@ -36,7 +36,8 @@ def lookup_draft(tokens: list[int], k: int, corpus: NgramCorpus | None = None) -
 
 class TargetWorker:
     def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False,
-                 corpus: NgramCorpus | None = None, drafter: Proposer | None = None, draft_k: int = 2):
+                 corpus: NgramCorpus | None = None, drafter: Proposer | None = None, draft_k: int = 2,
+                 greedy_draft_k: int | None = None):
         if corpus is not None and corpus.vocab_size > model.args.vocab_size:
             raise ValueError(f"the lookup corpus's vocabulary ({corpus.vocab_size}) is larger than the target's "
                              f"({model.args.vocab_size}): it was made for another model")
@@ -47,13 +48,15 @@ class TargetWorker:
         self.table = SlotTable(num_slots, max_model_len)
         self.return_hidden = return_hidden
         # An EAGLE-style proposer in this process (`drafter`): in a multi-step round, a row whose own
-        # context repeats nothing is drafted `draft_k` tokens per step from the features the last
-        # forward computed here (no Draft call, no transfer).
+        # context repeats nothing is drafted `draft_k` tokens per step (a greedy row `greedy_draft_k`:
+        # it accepts more of a chain) from the features the last forward computed here (no Draft
+        # call, no transfer).
         # `_fed`: confirmed tokens the drafter holds per sequence; `_pending`: (first position,
         # [[n, hidden] chunks], positions in them) features of confirmed positions it has not been
         # sent yet, the last PENDING_FEATURES at most (a drafter that lost older ones restarts its
         # context there).
         self.drafter, self.draft_k = drafter, draft_k
+        self.greedy_draft_k = draft_k if greedy_draft_k is None else greedy_draft_k
         if drafter is not None:
             model.feature_layers = tuple(drafter.feature_layers)  # the taps an EAGLE-3 draft fuses
         self._fed: dict[int, int] = {}
@@ -156,7 +159,8 @@ class TargetWorker:
         """Each row's tokens to verify in this step of a multi-step round, which rows (indices into
         `go`) the drafter drafted, and per row the race noise of its chain's positions (or None):
         lookups (`lookup_draft`), except that with a drafter, a row whose own context repeats
-        nothing (no prompt-lookup match) gets the drafter's chain of up to `draft_k` tokens instead.
+        nothing (no prompt-lookup match) gets the drafter's chain of up to `draft_k` tokens instead
+        (`greedy_draft_k` for a greedy row).
 
         A greedy or seeded row's chain is the draft's greedy one, kept where it equals the row's own
         draw: drafts depend on the context only, never on the round's draws, so the coupled check
@@ -169,7 +173,7 @@ class TargetWorker:
         T = 0.7). Which positions race is fixed before any of their noise is read."""
         mine = [r for r, ((_, st), room) in enumerate(zip(go, rooms))
                 if room > 0 and not ngram_lookup(st.tokens, 1, *LOOKUP_NGRAM)] if self.drafter is not None else []
-        ks = [min(self.draft_k, rooms[r]) for r in mine]
+        ks = [min(self.greedy_draft_k if batch.temperature[go[r][0]] == 0 else self.draft_k, rooms[r]) for r in mine]
         noise = [self._race_noise(batch, go[r][0], emitted[r], k) for r, k in zip(mine, ks)]
         chains = dict(zip(mine, self._draft_chains(batch, [go[r] for r in mine], ks, noise))) if mine else {}
         drafts = [chains[r] if r in chains else lookup_draft(st.tokens, room, self.corpus) if room > 0 else []

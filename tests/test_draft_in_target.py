@@ -103,6 +103,36 @@ def test_unseeded_sampled_rows_race_beside_rows_that_must_reproduce(tiny_dir, pr
     assert seeded_only.target.raced == 0 and seeded_only.stats.target_drafted > 0
 
 
+class ChainLengths(TargetWorker):
+    """Records the chain length asked of the drafter per row kind (greedy or sampled)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.asked = {True: set(), False: set()}
+
+    def _draft_chains(self, batch, go, ks, noise):
+        for (i, _), k in zip(go, ks):
+            self.asked[bool(batch.temperature[i] == 0)].add(k)
+        return super()._draft_chains(batch, go, ks, noise)
+
+
+def test_greedy_rows_draft_longer_chains(tiny_dir, prompts):
+    """`greedy_draft_k` for greedy rows, `draft_k` for sampled ones, in one lane (both within the
+    step's lookup room); the output stays plain decoding's."""
+    target = load_model(tiny_dir)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=23, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    params = [seeded, greedy, seeded, greedy]
+    ref = outputs(engine(target, plain_steps=1, lookup_k=0), prompts, params)
+    eng = LLMEngine(ChainLengths(target, 4, 256, drafter=EagleProposer(make_eagle(target), 4, 256), draft_k=2,
+                                 greedy_draft_k=3), NgramProposer(), None,
+                    EngineConfig(max_batch_size=4, num_speculative_tokens=0, plain_steps=8, lookup_k=3,
+                                 lookup_max_batch=8, ngram_k=8, adaptive=False), eos_token_ids=[])
+    assert outputs(eng, prompts, params) == ref
+    assert 3 in eng.target.asked[True] and max(eng.target.asked[True]) == 3
+    assert eng.target.asked[False] and max(eng.target.asked[False]) == 2
+
+
 class Recorder(EagleProposer):
     """Records each drafted row's context length and chain."""
 
