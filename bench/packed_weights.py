@@ -73,7 +73,7 @@ def main() -> None:
             spent[(m, on)][1] += time.perf_counter() - t0
             spent[(m, on)][0] += len(seq.output_ids)
             outs[(m, on)].append(seq.output_ids)
-    print(f"\nbf16/float32 = {a.dtype}, {a.questions} {a.prompts} questions x {a.max_tokens} tokens, T = {a.temperature}")
+    print(f"\n{a.dtype}, {a.questions} {a.prompts} questions x {a.max_tokens} tokens, T = {a.temperature}")
     print("| path | packed tok/s | F.linear tok/s | packing | vs plain (packed / F.linear) | same output |")
     print("|---|---|---|---|---|---|")
     tps = {c: n / s for c, (n, s) in spent.items()}
