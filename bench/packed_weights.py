@@ -15,6 +15,7 @@ packing (they must be: both give bit-identical logits on this CPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -61,6 +62,7 @@ def main() -> None:
     configs = [(m, on) for m in engines for on in (True, False)]
     spent = {c: [0, 0.0] for c in configs}
     outs = {c: [] for c in configs}
+
     def use(on: bool) -> None:
         model_mod._PACKABLE.clear()
         model_mod._PACKABLE.update(packable if on else {})
@@ -69,7 +71,7 @@ def main() -> None:
         for m, on in (configs if i % 2 == 0 else configs[::-1]):
             use(on)
             t0 = time.perf_counter()
-            seq = engines[m].generate([p], SamplingParams(**{**params.__dict__, "seed": i}))[0]
+            seq = engines[m].generate([p], dataclasses.replace(params, seed=i))[0]
             spent[(m, on)][1] += time.perf_counter() - t0
             spent[(m, on)][0] += len(seq.output_ids)
             outs[(m, on)].append(seq.output_ids)
