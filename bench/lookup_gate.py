@@ -9,7 +9,11 @@ router's does; one warm-up lane first), configurations alternated per repetition
 
 - plain: multi-step plain rounds, no lookups (the service with speculation off);
 - always: every multi-step round carries `lookup_k` lookups (the configured behaviour, gate off);
-- gated: the adaptive policy's LookupGate decides per round from measured times and gains.
+- gated: the adaptive policy's LookupGate decides per round from measured times and gains;
+- draft, draft always: as gated and always, with the shipped EAGLE draft in the target's process
+  drafting rows that prompt lookup finds nothing for (the service's default: `--draft-k` tokens
+  for sampled rows, `--greedy-draft-k` for greedy ones); a mode such as "draft always p0.2" stops
+  chains once the draft's probability of them falls below 0.2 (`--modes`).
 
 A lookup widens each forward of the round and pays only with the tokens it gets accepted: greedy
 rows accept far more of them than rows sampled at temperature 1.0, so the gate should keep
@@ -36,11 +40,12 @@ from specdec.corpus import NgramCorpus  # noqa: E402
 from specdec.engine import EngineConfig, LLMEngine  # noqa: E402
 from specdec.loader import bundled_corpus_for, load_model, load_tokenizer, resolve_corpus  # noqa: E402
 from specdec.prompts import encode_chat  # noqa: E402
-from specdec.proposers import NgramProposer  # noqa: E402
+from specdec.eagle_draft import load_eagle  # noqa: E402
+from specdec.proposers import EagleProposer, NgramProposer  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.target_worker import TargetWorker  # noqa: E402
 
-MODES = ("plain", "always", "gated")
+MODES = ("plain", "always", "gated", "draft", "draft always")
 GATE_USE = adaptive.LookupGate.use
 
 
@@ -55,9 +60,15 @@ def demo_target(threads: int):
     return tok, model, NgramCorpus.load(resolve_corpus(bundled_corpus_for("smollm2")))
 
 
-def make_engine(model, tok, corpus, batch: int, mode: str, lookup_k: int) -> LLMEngine:
+def make_engine(model, tok, corpus, batch: int, mode: str, lookup_k: int, eagle=None, draft_k: int = 2,
+                greedy_draft_k: int = 3, min_chain_prob: float = 0.0) -> LLMEngine:
     lk = 0 if mode == "plain" else lookup_k
-    return LLMEngine(TargetWorker(model, batch, 2048, corpus=corpus), NgramProposer(), tok,
+    drafter = EagleProposer(eagle, batch, 2048) if mode.startswith("draft") else None
+    if " p" in mode:  # "draft p0.2": chains stop below that draft probability
+        min_chain_prob = float(mode.split(" p")[-1])
+    worker = TargetWorker(model, batch, 2048, corpus=corpus, drafter=drafter, draft_k=draft_k,
+                          greedy_draft_k=greedy_draft_k, min_chain_prob=min_chain_prob)
+    return LLMEngine(worker, NgramProposer(), tok,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=0, adaptive=True, speculate=lk > 0,
                                   plain_steps=8, lookup_k=lk, lookup_max_batch=batch, ngram_k=8 if lk and batch == 1 else 0))
 
@@ -77,44 +88,49 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--lookup-k", type=int, default=2, help="the app's default with a corpus")
+    ap.add_argument("--draft-k", type=int, default=2, help="in-target draft chain, sampled rows")
+    ap.add_argument("--greedy-draft-k", type=int, default=3, help="in-target draft chain, greedy rows")
+    ap.add_argument("--min-chain-prob", type=float, default=0.0, help="stop a chain below this draft probability")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     tok, model, corpus = demo_target(a.threads)
+    eagle = load_eagle("smollm2-eagle", model, torch.bfloat16)
+    modes = a.modes.split(",")
     questions = PROMPT_SETS["fresh"][:16] + PROMPT_SETS["everyday"][:8]
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in questions]
     warm, timed = prompts[:8], prompts[8:]
     batches, temps = [int(b) for b in a.batches.split(",")], [float(t) for t in a.temperatures.split(",")]
-    bar = tqdm(total=len(batches) * len(temps) * (a.repeats + 1) * len(MODES), desc="lookup gate")
+    bar = tqdm(total=len(batches) * len(temps) * (a.repeats + 1) * len(modes), desc="lookup gate")
     rows = []
     for batch in batches:
         for temp in temps:
-            engines = {m: make_engine(model, tok, corpus, batch, m, a.lookup_k) for m in MODES}
-            tps = {m: [] for m in MODES}
+            engines = {m: make_engine(model, tok, corpus, batch, m, a.lookup_k, eagle, a.draft_k,
+                                      a.greedy_draft_k, a.min_chain_prob) for m in modes}
+            tps = {m: [] for m in modes}
             for rep in range(a.repeats + 1):
-                for m in (MODES if rep % 2 == 0 else MODES[::-1]):
-                    _gate(m == "gated")
+                for m in (modes if rep % 2 == 0 else modes[::-1]):
+                    _gate(m == "gated" or m.startswith("draft") and "always" not in m)
                     r = run(engines[m], warm[:batch] if rep == 0 else timed, batch, temp, a.max_tokens)
                     if rep:
                         tps[m].append(r)
                     bar.update()
             _gate(True)
-            st = {m: engines[m].stats for m in MODES}
-            gate = engines["gated"].scheduler.cost.lookups
-            rows.append((batch, temp, {m: sum(v) / len(v) for m, v in tps.items()}, st, gate))
+            rows.append((batch, temp, {m: sum(v) / len(v) for m, v in tps.items()}, engines))
     bar.close()
     print(f"\nlookups in 8-step plain rounds, bf16, lookup_k {a.lookup_k} + the shipped corpus, {a.max_tokens} tokens, "
           f"{len(timed)} questions x {a.repeats} repetitions")
-    print("| batch | temperature | plain tok/s | always: tok/s (vs plain) | gated: tok/s (vs plain) | "
-          "lookup tokens accepted (always) | gate: cost of a lookup forward, rounds without |")
+    print("| batch | temperature | mode | tok/s | vs plain | lookup tokens accepted of proposed | "
+          "gate: cost of a lookup forward, rounds without |")
     print("|---|---|---|---|---|---|---|")
-    for batch, temp, t, st, gate in rows:
-        s = st["always"]
-        cost = gate.cost(batch)
-        print(f"| {batch} | {temp} | {t['plain']:.1f} | {t['always']:.1f} ({t['always'] / t['plain']:.2f}x) | "
-              f"{t['gated']:.1f} ({t['gated'] / t['plain']:.2f}x) | "
-              f"{s.lookup_accepted / max(1, s.lookup_proposed):.2f} of proposed | "
-              f"{'-' if cost is None else f'{cost:.2f}x'}, {gate.gated} of {sum(gate.rounds.values())} |")
+    for batch, temp, t, engines in rows:
+        for m, eng in engines.items():
+            s, gate = eng.stats, eng.scheduler.cost.lookups
+            cost = gate.cost(batch)
+            print(f"| {batch} | {temp} | {m} | {t[m]:.1f} | {t[m] / t['plain']:.2f}x | "
+                  f"{s.lookup_accepted}/{s.lookup_proposed} | "
+                  f"{'-' if cost is None else f'{cost:.2f}x'}, {gate.gated} of {sum(gate.rounds.values())} |")
 
 
 if __name__ == "__main__":
