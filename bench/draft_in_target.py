@@ -47,13 +47,8 @@ from specdec.target_worker import TargetWorker  # noqa: E402
 
 def make_engine(model, tok, corpus, eagle, mode: str) -> LLMEngine:
     lookups = mode != "plain"
-    drafter, k, p = None, 2, 0.0
-    if mode.startswith("draft"):  # "draft k3" or "draft k5 p0.2" (stop a chain below that probability)
-        drafter = EagleProposer(eagle, 1, 2048)
-        k, *rest = mode.split()[1:]
-        k, p = int(k[1:]), float(rest[0][1:]) if rest else 0.0
-    return LLMEngine(TargetWorker(model, 1, 2048, corpus=corpus, drafter=drafter, draft_k=k, min_chain_prob=p),
-                     NgramProposer(), tok,
+    drafter, k = (EagleProposer(eagle, 1, 2048), int(mode.split("k")[-1])) if mode.startswith("draft") else (None, 2)
+    return LLMEngine(TargetWorker(model, 1, 2048, corpus=corpus, drafter=drafter, draft_k=k), NgramProposer(), tok,
                      EngineConfig(max_batch_size=1, num_speculative_tokens=0, adaptive=True, speculate=lookups,
                                   plain_steps=8, lookup_k=2 if lookups else 0, lookup_max_batch=8,
                                   ngram_k=8 if lookups else 0))
@@ -62,8 +57,7 @@ def make_engine(model, tok, corpus, eagle, mode: str) -> LLMEngine:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperatures", default="0,1.0")
-    ap.add_argument("--ks", default="2", help="draft lengths of the in-target draft to compare; k5p0.2: at most "
-                    "5, a chain stopping once the draft's probability of it falls below 0.2")
+    ap.add_argument("--ks", default="2", help="draft lengths of the in-target draft to compare")
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -74,7 +68,7 @@ def main() -> None:
     tok, model, corpus = demo_target(a.threads)
     eagle = load_eagle("smollm2-eagle", model, torch.bfloat16)
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in PROMPT_SETS[a.prompts][: a.questions]]
-    drafts = [f"draft k{k}".replace("p", " p") for k in a.ks.split(",")]
+    drafts = [f"draft k{k}" for k in a.ks.split(",")]
     modes = ["plain", "lookup"] + {"seeded": drafts, "unseeded": [f"{d} unseeded" for d in drafts],
                                    "both": [f"{d}{u}" for d in drafts for u in ("", " unseeded")]}[a.seeding]
     rows = []

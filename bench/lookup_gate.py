@@ -12,8 +12,7 @@ router's does; one warm-up lane first), configurations alternated per repetition
 - gated: the adaptive policy's LookupGate decides per round from measured times and gains;
 - draft, draft always: as gated and always, with the shipped EAGLE draft in the target's process
   drafting rows that prompt lookup finds nothing for (the service's default: `--draft-k` tokens
-  for sampled rows, `--greedy-draft-k` for greedy ones); a mode such as "draft always p0.2" stops
-  chains once the draft's probability of them falls below 0.2 (`--modes`).
+  for sampled rows, `--greedy-draft-k` for greedy ones).
 
 A lookup widens each forward of the round and pays only with the tokens it gets accepted: greedy
 rows accept far more of them than rows sampled at temperature 1.0, so the gate should keep
@@ -61,13 +60,11 @@ def demo_target(threads: int):
 
 
 def make_engine(model, tok, corpus, batch: int, mode: str, lookup_k: int, eagle=None, draft_k: int = 2,
-                greedy_draft_k: int = 3, min_chain_prob: float = 0.0) -> LLMEngine:
+                greedy_draft_k: int = 3) -> LLMEngine:
     lk = 0 if mode == "plain" else lookup_k
     drafter = EagleProposer(eagle, batch, 2048) if mode.startswith("draft") else None
-    if " p" in mode:  # "draft p0.2": chains stop below that draft probability
-        min_chain_prob = float(mode.split(" p")[-1])
     worker = TargetWorker(model, batch, 2048, corpus=corpus, drafter=drafter, draft_k=draft_k,
-                          greedy_draft_k=greedy_draft_k, min_chain_prob=min_chain_prob)
+                          greedy_draft_k=greedy_draft_k)
     return LLMEngine(worker, NgramProposer(), tok,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=0, adaptive=True, speculate=lk > 0,
                                   plain_steps=8, lookup_k=lk, lookup_max_batch=batch, ngram_k=8 if lk and batch == 1 else 0))
@@ -90,7 +87,6 @@ def main() -> None:
     ap.add_argument("--lookup-k", type=int, default=2, help="the app's default with a corpus")
     ap.add_argument("--draft-k", type=int, default=2, help="in-target draft chain, sampled rows")
     ap.add_argument("--greedy-draft-k", type=int, default=3, help="in-target draft chain, greedy rows")
-    ap.add_argument("--min-chain-prob", type=float, default=0.0, help="stop a chain below this draft probability")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -107,7 +103,7 @@ def main() -> None:
     for batch in batches:
         for temp in temps:
             engines = {m: make_engine(model, tok, corpus, batch, m, a.lookup_k, eagle, a.draft_k,
-                                      a.greedy_draft_k, a.min_chain_prob) for m in modes}
+                                      a.greedy_draft_k) for m in modes}
             tps = {m: [] for m in modes}
             for rep in range(a.repeats + 1):
                 for m in (modes if rep % 2 == 0 else modes[::-1]):

@@ -55,10 +55,6 @@ class SpecBatch(Wire):
     race: list[bool] | None = None  # a multi-step round: rows (sampled, unseeded: their output need not
     # reproduce) whose in-target draft chains are raced with the noise of the positions they draft
     # (TargetWorker._step_drafts, sampling.race_sample)
-    min_chain_prob: float = 0.0  # a model proposer stops drafting a row once the product of its chosen
-    # tokens' probabilities (softmax at T = 1: the draft's estimate that the whole chain is accepted)
-    # falls below this, so num_draft[i] is then an upper bound (dynamic draft length, as EAGLE-2's
-    # confidence-driven trees; the token that crossed it is still proposed: verifying it is nearly free)
     race_noise: list[Tensor | None] | None = None  # to an in-process proposer: per row, [k, vocab] Exp(1)
     # noise of the positions it drafts; it takes the token its q wins the race with (never crosses processes)
     trace_context: dict | None = None  # W3C carrier for tracing across processes

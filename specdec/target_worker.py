@@ -37,7 +37,7 @@ def lookup_draft(tokens: list[int], k: int, corpus: NgramCorpus | None = None) -
 class TargetWorker:
     def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False,
                  corpus: NgramCorpus | None = None, drafter: Proposer | None = None, draft_k: int = 2,
-                 greedy_draft_k: int | None = None, min_chain_prob: float = 0.0):
+                 greedy_draft_k: int | None = None):
         if corpus is not None and corpus.vocab_size > model.args.vocab_size:
             raise ValueError(f"the lookup corpus's vocabulary ({corpus.vocab_size}) is larger than the target's "
                              f"({model.args.vocab_size}): it was made for another model")
@@ -57,7 +57,6 @@ class TargetWorker:
         # context there).
         self.drafter, self.draft_k = drafter, draft_k
         self.greedy_draft_k = draft_k if greedy_draft_k is None else greedy_draft_k
-        self.min_chain_prob = min_chain_prob  # chains stop early where the draft doubts them (SpecBatch)
         if drafter is not None:
             model.feature_layers = tuple(drafter.feature_layers)  # the taps an EAGLE-3 draft fuses
         self._fed: dict[int, int] = {}
@@ -204,8 +203,7 @@ class TargetWorker:
         mini = SpecBatch(sids, offsets, [st.tokens[o:] for (_, st), o in zip(go, offsets)], ks,
                          torch.where(raced, batch.temperature[idx], 0.0), batch.top_k[idx], batch.top_p[idx],
                          torch.zeros(n, 3, max(ks) + 1, dtype=torch.float64),
-                         features=[self._take_features(s) for s in sids], race_noise=noise,
-                         min_chain_prob=self.min_chain_prob)
+                         features=[self._take_features(s) for s in sids], race_noise=noise)
         out = self.drafter.propose(mini)
         for r, ((_, st), s) in enumerate(zip(go, sids)):
             if r in out.unknown:  # no free slot there: whole context again next time

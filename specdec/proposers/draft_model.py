@@ -34,9 +34,6 @@ class DraftModelProposer(Proposer):
         self.table = SlotTable(num_slots, max_model_len)
         # [V_draft] target ids of the draft head's outputs (host copy: drafts are indexed on the host)
         self.token_map = None if token_map is None else token_map.cpu()
-        if token_map is not None:  # [V_target] the inverse: a target id's index in the head (-1: none)
-            self._to_local = torch.full((int(self.token_map.max()) + 1,), -1, dtype=torch.long)
-            self._to_local[self.token_map] = torch.arange(len(self.token_map))
         self.top_j = top_j
 
     @property
@@ -102,7 +99,6 @@ class DraftModelProposer(Proposer):
         q_ids = torch.zeros(B, K, J, dtype=torch.long)
         q_vals = torch.zeros(B, K, J)
         num, unknown, states = [0] * B, [], {}
-        chain_prob = torch.ones(B)  # [B]: the draft's probability of each row's chain so far
         sibling = torch.full((B,), -1, dtype=torch.long)
         self._new_round()
         for i in range(B):
@@ -127,22 +123,13 @@ class DraftModelProposer(Proposer):
             ids, qi, qv = self._choose(step_logits, active, batch, j)
             if j == 0 and batch.siblings:  # greedy rows: the second choice, verified beside the chain
                 self._siblings(step_logits, active, batch, sibling)
-            if batch.min_chain_prob > 0:
-                chain_prob[active] *= self._chosen_prob(step_logits, ids)
             for r, (i, st) in enumerate(zip(active, sts)):
                 tokens[i, j], q_ids[i, j], q_vals[i, j] = ids[r], qi[r], qv[r]
                 num[i] = j + 1
-                if j + 1 < batch.num_draft[i] and chain_prob[i] >= batch.min_chain_prob:
+                if j + 1 < batch.num_draft[i]:
                     st.tokens.append(int(ids[r]))  # tentative: fed next step
-            active = [i for i in active if chain_prob[i] >= batch.min_chain_prob]
         return DraftOutput(tokens, num, DraftProbs(q_ids, q_vals), unknown, time.perf_counter() - t0, steps,
                            sibling=sibling if batch.siblings else None)
-
-    def _chosen_prob(self, logits: Tensor, ids: Tensor) -> Tensor:
-        """[n] the draft's probability (softmax at T = 1) of each row's chosen token (target ids)."""
-        local = ids if self.token_map is None else self._to_local[ids]
-        probs = torch.softmax(logits.float(), dim=-1)  # [n, V_draft]
-        return probs.gather(1, local[:, None].to(probs.device)).squeeze(1).cpu()
 
     def _siblings(self, logits: Tensor, rows: list[int], batch: SpecBatch, out: Tensor) -> None:
         """out[i] = the draft's second most likely first token of each greedy row i (a sampled
