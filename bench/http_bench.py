@@ -7,7 +7,9 @@ Streaming chat requests (greedy; fixed max_tokens with ignore_eos, or --stop-at-
 server's adaptive speculation and with `num_speculative_tokens: 0`, alternating wave by wave (a
 wave: one request per client slot) so that a drifting machine speed falls on both modes alike. Prints tokens/s,
 time to first token, inter-token latency (p50), the acceptance rate from the router's /stats, and
-the in-process engine's tokens/s on the same prompts at batch 1 (service / engine ratio).
+the in-process engine's tokens/s on the same prompts at batch 1, configured as the app is (its
+proposer, scheduling knobs, lookup corpus and in-target draft), speculating and plain (service /
+engine ratio).
 """
 from __future__ import annotations
 
@@ -73,7 +75,16 @@ FRESH = ["How do I get a stubborn stain out of a white shirt?", "What is the bes
          "What are the benefits of drinking water?", "How do solar panels produce electricity?",
          "Recommend a few ways to make new friends in a new city.", "Why do onions make people cry?",
          "What is compound interest? Give an example.", "How should I store fresh herbs so they last longer?"]
-PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH}
+# Written on 2026-12-06, before any measurement on them; held out from every choice of a setting.
+HELDOUT = ["What is the difference between baking soda and baking powder?", "How do I start a vegetable garden on a balcony?",
+           "Why do some people get seasick?", "Write a short message congratulating a colleague on a promotion.",
+           "How does a credit score work?", "What are the rules of chess for beginners?",
+           "Explain how the moon causes tides.", "How can I make my phone battery last longer?",
+           "Give me three ideas for a rainy Sunday afternoon with kids.", "Why is it important to warm up before exercise?",
+           "What is the history of the Olympic Games in a few sentences?", "How do I negotiate a higher salary?",
+           "Describe how coffee is grown and roasted.", "What should I do if my dog eats chocolate?",
+           "How do noise-cancelling headphones work?", "Suggest a packing list for a beach holiday."]
+PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH, "heldout": HELDOUT}
 
 STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 
@@ -150,14 +161,19 @@ def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature
 
 
 def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: int, temperature: float = 0.0,
-               questions: list[str] = QUESTIONS) -> dict:
+               questions: list[str] = QUESTIONS, scheduling=None) -> dict:
     """Chat on questions[:n_prompts] in process (greedy, or sampled at `temperature`), `batch` at a
-    time (after a short warm-up): tokens/s, and target forward ms and round ms per round."""
+    time (after a short warm-up): tokens/s, and target forward ms and round ms per round.
+    `scheduling`: the router's knobs (serve_app's SchedulingConfig) for the engine; None: the engine's defaults."""
+    from dataclasses import fields
+
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
-    eng = LLMEngine(worker, proposer, tok, EngineConfig(max_batch_size=batch, max_model_len=worker.max_model_len,
-                                                        speculate=proposer is not None))
+    knobs = {f.name: getattr(scheduling, f.name) for f in fields(EngineConfig) if hasattr(scheduling, f.name)}
+    eng = LLMEngine(worker, proposer, tok, EngineConfig(**{**knobs, "max_batch_size": batch,
+                                                           "max_model_len": worker.max_model_len,
+                                                           "speculate": proposer is not None}))
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in questions[:n_prompts]]
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
     rounds0, target0, round0 = eng.stats.rounds, eng.stats.target_time, eng.stats.round_time
@@ -170,20 +186,32 @@ def run_engine(tok, worker, proposer, batch: int, n_prompts: int, max_tokens: in
             "round_ms": (eng.stats.round_time - round0) / n * 1e3}
 
 
-def engine_baselines(target, dtype, max_tokens, proposer, draft=None, n_prompts=4,
-                     temperature: float = 0.0, questions: list[str] = QUESTIONS) -> tuple[float, float]:
+def engine_baselines(app, max_tokens, n_prompts=4, temperature: float = 0.0,
+                     questions: list[str] = QUESTIONS) -> tuple[float, float]:
     """In-process tokens/s at batch 1 on the same prompts, same threads as a replica (all cores):
-    (adaptive with the service's proposer, plain)."""
+    (the service's path: the app's proposer, scheduling knobs, lookup corpus and in-target draft
+    (serve_app.args.AppArgs `app`); plain decoding)."""
     import torch
 
-    from specdec.loader import load_model, load_tokenizer, parse_dtype
+    from specdec.corpus import NgramCorpus
+    from specdec.loader import load_model, load_tokenizer, parse_dtype, resolve_corpus
     from specdec.proposers import build_proposer
     from specdec.target_worker import TargetWorker
     torch.set_num_threads(os.cpu_count() or 1)
-    tok, model = load_tokenizer(target), load_model(target, dtype=parse_dtype(dtype))
-    prop = build_proposer(proposer, draft=draft, target=target, target_model=model, dtype=parse_dtype(dtype),
-                          num_slots=1, max_model_len=2048)
-    spec = run_engine(tok, TargetWorker(model, 1, 2048), prop, 1, n_prompts, max_tokens, temperature, questions)["tps"]
+    app.validate_models()
+    tc, dc, rc = app.target_config(), app.draft_config(), app.router_config()
+    dtype = parse_dtype(tc.dtype)
+    tok, model = load_tokenizer(tc.model), load_model(tc.model, dtype=dtype)
+    corpus = NgramCorpus.load(resolve_corpus(tc.lookup_corpus)) if tc.lookup_corpus else None
+    drafter = None if not tc.draft_in_target else build_proposer(
+        "eagle", draft=tc.draft_in_target, target=tc.model, dtype=dtype, num_slots=1, max_model_len=2048,
+        target_model=model)
+    prop = build_proposer(dc.proposer, draft=dc.draft, target=dc.target, dtype=dtype, num_slots=1, max_model_len=2048,
+                          target_model=model, top_j=dc.top_j, ngram_min=dc.ngram_min, ngram_max=dc.ngram_max,
+                          hybrid_ngram_min=dc.hybrid_ngram_min)
+    worker = TargetWorker(model, 1, 2048, corpus=corpus, drafter=drafter, draft_k=tc.draft_in_target_k,
+                          greedy_draft_k=tc.draft_in_target_greedy_k)
+    spec = run_engine(tok, worker, prop, 1, n_prompts, max_tokens, temperature, questions, rc)["tps"]
     plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens, temperature, questions)["tps"]
     return spec, plain
 
@@ -254,12 +282,10 @@ def main(argv=None):
                              m["lookup_accepted"] / max(1, m["emitted"])))
     bar.close()
     from serve_app.args import AppArgs
-    app = AppArgs(**{k: v for k, v in (("target", a.target), ("proposer", a.proposer), ("draft", a.draft))
-                     if v is not None})
+    app = AppArgs(**{**args, "max_batch_size": 1})
     base = plain = None
     if not a.no_engine:
-        base, plain = engine_baselines(a.target, a.dtype, a.max_tokens, app.proposer, app.draft,
-                                       temperature=a.temperature, questions=PROMPT_SETS[a.prompts])
+        base, plain = engine_baselines(app, a.max_tokens, temperature=a.temperature, questions=PROMPT_SETS[a.prompts])
     how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
     print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat ({a.prompts} questions), "
           f"{'up to ' if a.stop_at_eos else ''}{a.max_tokens} tokens, {a.dtype}")
@@ -283,7 +309,8 @@ def main(argv=None):
     if base:
         c1 = [r["tps"] for _, c, s, r, *_ in rows if c == 1 and s]
         c1_off = [r["tps"] for _, c, s, r, *_ in rows if c == 1 and not s]
-        print(f"\nin-process engine, batch 1, same prompts: adaptive {app.proposer} {base:.1f} tok/s, plain "
+        print(f"\nin-process engine, batch 1, same prompts, the app's configuration: speculating ({app.proposer}) {base:.1f} tok/s, "
+              f"plain "
               f"{plain:.1f} tok/s" + (f"; service at concurrency 1 keeps {statistics.median(c1) / base:.0%} "
                                       f"(speculation on) and {statistics.median(c1_off) / plain:.0%} (plain)"
                                       if c1 else ""))
