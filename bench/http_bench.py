@@ -136,14 +136,16 @@ async def level(url, model, concurrency, requests, max_tokens, spec, bar, temper
 
 
 STAT_KEYS = ("proposed", "accepted", "rounds", "emitted", "draft_time", "target_time", "round_time",
-             "lookup_accepted")
+             "lookup_accepted", "lookup_proposed")
+GATE_KEYS = ("rounds", "rounds_without")  # the LookupGate's multi-step rounds planned, of them without lookups
+# (kept as gate_rounds, gate_rounds_without)
 
 
 def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature, questions, first_spec: bool):
     """Speculation off and on at one concurrency level, alternating wave by wave (a wave: one
     request per client slot, the same questions in both modes), so that both modes see the same
     machine: this one's speed drifts by 10-30 % within minutes. Returns {spec: measurements}."""
-    out = {s: {"tokens": 0, "wall": 0.0, "ttft": [], "itl": [], **{k: 0.0 for k in STAT_KEYS}}
+    out = {s: {"tokens": 0, "wall": 0.0, "ttft": [], "itl": [], **{k: 0.0 for k in STAT_KEYS}, **{f"gate_{k}": 0.0 for k in GATE_KEYS}}
            for s in (False, True)}
     waves = max(1, requests // concurrency)
     for w in range(waves):
@@ -157,6 +159,8 @@ def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature
                 o[k] += r[k]
             for k in STAT_KEYS:
                 o[k] += after[k] - before[k]
+            for k in GATE_KEYS:
+                o[f"gate_{k}"] += after["lookup_gate"][k] - before["lookup_gate"][k]
     return out
 
 
@@ -278,8 +282,9 @@ def main(argv=None):
                 prop, rounds = m["proposed"], max(1, m["rounds"])
                 acc = m["accepted"] / prop if prop else 0.0
                 split = {k: m[k] / rounds * 1e3 for k in ("draft_time", "target_time", "round_time")}
-                rows.append((rep, c, spec, r, acc, split, prop / max(1, m["emitted"]),
-                             m["lookup_accepted"] / max(1, m["emitted"])))
+                looked = (m["lookup_accepted"] / max(1, m["emitted"]), m["lookup_accepted"] / max(1, m["lookup_proposed"]),
+                          m["gate_rounds"] - m["gate_rounds_without"], m["gate_rounds"])
+                rows.append((rep, c, spec, r, acc, split, prop / max(1, m["emitted"]), looked))
     bar.close()
     from serve_app.args import AppArgs
     app = AppArgs(**{**args, "max_batch_size": 1})
@@ -291,7 +296,7 @@ def main(argv=None):
           f"{'up to ' if a.stop_at_eos else ''}{a.max_tokens} tokens, {a.dtype}")
     print(f"app args: {args}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
-          "lookup tokens/token | round ms (draft / target / other) | spec/off |")
+          "lookup tokens/token (of proposed; gated rounds with lookups) | round ms (draft / target / other) | spec/off |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     off = {(rep, c): r["tps"] for rep, c, spec, r, *_ in rows if not spec}
     ratios = {}
@@ -300,7 +305,8 @@ def main(argv=None):
             ratios.setdefault(c, []).append(r["tps"] / off[rep, c])
         other = sp["round_time"] - sp["draft_time"] - sp["target_time"]
         print(f"| {rep + 1} | {c} | {'adaptive' if spec else 'off'} | {r['tps']:.1f} | {r['ttft'] * 1e3:.0f} | "
-              f"{r['itl'] * 1e3:.1f} | {acc:.2f} | {drafts:.2f} | {looked:.2f} | {sp['round_time']:.1f} ({sp['draft_time']:.1f} / "
+              f"{r['itl'] * 1e3:.1f} | {acc:.2f} | {drafts:.2f} | {looked[0]:.2f} ({looked[1]:.2f}; "
+              f"{looked[2]:.0f}/{looked[3]:.0f}) | {sp['round_time']:.1f} ({sp['draft_time']:.1f} / "
               f"{sp['target_time']:.1f} / {other:.1f}) | {r['tps'] / off[rep, c]:.2f}x |")
     print("\n| concurrency | spec/off per run | median |")
     print("|---|---|---|")

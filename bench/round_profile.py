@@ -4,8 +4,8 @@
     python bench/round_profile.py --concurrency 1,4 --requests 8 --max-tokens 48
 
 For each concurrency level and for speculation off and on (the server's adaptive policy), it sends
-streaming greedy chat requests (everyday questions from bench/http_bench.py, not the distillation
-data) and reads the router's round profile (`/stats` -> `profile`, deltas over the level). One
+streaming chat requests (greedy, or sampled with --temperature; questions from bench/http_bench.py,
+not the distillation data) and reads the router's round profile (`/stats` -> `profile`, deltas over the level). One
 row per (level, mode, round kind): per round, in milliseconds,
 
 - plan: the router's bookkeeping before the calls (scheduler plan, batch building);
@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from http_bench import level, run_engine, start_local  # noqa: E402
+from http_bench import PROMPT_SETS, level, run_engine, start_local  # noqa: E402
 
 FIELDS = ("rounds", "rows", "tokens", "plan_s", "draft_call_s", "draft_compute_s", "draft_to_s", "draft_back_s",
           "target_call_s", "target_compute_s", "target_to_s", "target_back_s", "commit_s", "round_s")
@@ -79,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="in-process reference threads")
     ap.add_argument("--app-args", default="{}", help="JSON: extra AppArgs for the local app")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process reference")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled requests (unseeded)")
+    ap.add_argument("--prompts", default="everyday", choices=sorted(PROMPT_SETS), help="which questions")
     ap.add_argument("--modes", default="off,adaptive", help="off, adaptive, or kN (N drafts per round, pinned)")
     a = ap.parse_args(argv)
     if a.dtype == "auto":
@@ -95,13 +97,16 @@ def main(argv=None):
     for c in levels:
         for mode, spec in modes.items():
             before = httpx.get(f"{url}/stats", timeout=30).json()
-            r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar))
+            r = asyncio.run(level(url, a.model, c, n_req[c], a.max_tokens, spec, bar, a.temperature,
+                                  PROMPT_SETS[a.prompts]))
             after = httpx.get(f"{url}/stats", timeout=30).json()
             rows.append((c, mode, r, profile_delta(before, after)))
     bar.close()
     ref = {} if a.no_engine else {c: in_process(a.target, a.dtype, c, a.max_tokens, a.threads) for c in levels}
 
-    print(f"\nround profile: {a.model} via {url}, greedy streaming chat, {a.max_tokens} tokens, {a.dtype}")
+    how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
+    print(f"\nround profile: {a.model} via {url}, {how} streaming chat ({a.prompts} questions), "
+          f"{a.max_tokens} tokens, {a.dtype}")
     print("| conc. | speculation | round kind | rounds | tok/round | plan | draft call (compute / to / back) | "
           "target call (compute / to / back) | commit | round | http ms/tok | client tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

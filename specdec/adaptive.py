@@ -229,7 +229,8 @@ class CostModel:
         if self.bucket_rounds[b] - self.spec_seen[b] >= self.recheck_every:
             return False
         a = self.ceiling_acceptance
-        return max(expected_tokens(a, k) / self.round_cost(k, has_model, batch) for k in range(1, k_max + 1)) <= 1.0
+        return max(expected_tokens(a, k) / self.round_cost(k, has_model, batch, optimistic=False)
+                   for k in range(1, k_max + 1)) <= 1.0
 
     def needs_plain_round(self, batch: int) -> bool:
         """True when t(B, 0) is unknown or stale: the next round should be plain to measure it.
@@ -256,14 +257,17 @@ class CostModel:
             return self.prior_c
         return step / base
 
-    def verify_cost(self, k: int, batch: int = 1) -> float:
+    def verify_cost(self, k: int, batch: int = 1, optimistic: bool = True) -> float:
         """Cost of a round whose rows verify k drafts, relative to a plain round (>= 1).
 
         A k never measured at this bucket is priced optimistically, as the longest measured verify
         below it: a verify's cost is not linear in its positions (GEMM kernels change with the row
         count; float32 on one 2-core EPYC: 2 positions 1.42x a step, 3 1.58x, 4 1.26x), so
         extrapolating from a short verify could price a cheaper long one out forever. Optimism
-        costs at most one round per k: the round that picks it measures it."""
+        costs at most one round per k: the round that picks it measures it. `optimistic=False`
+        (`cannot_pay`, a decision to stop probing that is re-checked later) prices it on the line
+        from a plain round through that verify instead: a k that no round picks (low acceptance
+        makes probes pick short ones) would otherwise keep its optimistic price forever."""
         batch = self.bucket(batch)
         base = self.target.get((batch, 0))
         if k == 0:
@@ -274,14 +278,14 @@ class CostModel:
                 return max(1.0, known[k])
             below = max((kk for kk in known if kk < k), default=0)
             if below:  # optimistic: no dearer than the longest measured verify below it (see docstring)
-                return max(1.0, known[below])
+                return max(1.0, known[below] if optimistic else 1.0 + (known[below] - 1.0) * k / below)
             if known:  # only longer ones measured: linear from a plain round to the nearest
                 kk = min(known)
                 return max(1.0, 1.0 + (known[kk] - 1.0) * k / kk)
         return 1.0 + self.prior_slope * k
 
-    def round_cost(self, k: int, has_model: bool = True, batch: int = 1) -> float:
-        return (k * self.c(batch) if has_model else 0.0) + self.verify_cost(k, batch)
+    def round_cost(self, k: int, has_model: bool = True, batch: int = 1, optimistic: bool = True) -> float:
+        return (k * self.c(batch) if has_model else 0.0) + self.verify_cost(k, batch, optimistic)
 
 
 class LookupGate:

@@ -123,12 +123,31 @@ def test_rows_draft_along_in_a_round_that_drafts_anyway():
     good.adaptive.succ, good.adaptive.trials = 95.0, 100.0
     poor.adaptive.succ, poor.adaptive.trials = 5.0, 100.0
     assert poor.adaptive.choose(sched.cost, batch=3) == 0
-    for s in (good, poor):
+    for s in (good, poor, pinned):
         s.adaptive.off_rounds = 0  # (no probe due)
+        s.target_offset = len(s.tokens)  # prefilled
     sched.cost.needs_plain_round = lambda batch: False
     batch = sched.plan().draft_batch
     ks = dict(zip(batch.seq_ids, batch.num_draft))
     assert ks == {good.seq_id: 3, poor.seq_id: 3, pinned.seq_id: 1}, ks
+
+
+def test_rows_draft_nothing_in_their_prefill_round():
+    """A row the target has not prefilled yet drafts nothing (no features for a model draft, and a
+    Draft call would delay its prefill), nor rides along in a round that drafts anyway; a running
+    row beside it keeps its k, and so does a request's own k."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, k_max=3))
+    running, new = sched.add(_seq(temperature=0)), sched.add(_seq(temperature=0))
+    pinned = sched.add(_seq(temperature=0, num_speculative_tokens=2))
+    for s in (running, new):
+        s.adaptive.succ, s.adaptive.trials, s.adaptive.off_rounds = 95.0, 100.0, 0
+    running.target_offset = len(running.tokens)
+    sched.cost.needs_plain_round = lambda batch: False
+    batch = sched.plan().draft_batch
+    assert dict(zip(batch.seq_ids, batch.num_draft)) == {running.seq_id: 3, new.seq_id: 0, pinned.seq_id: 2}
+    running.target_offset = 0  # all three new: only the request's own k drafts
+    batch = sched.plan().draft_batch
+    assert dict(zip(batch.seq_ids, batch.num_draft)) == {running.seq_id: 0, new.seq_id: 0, pinned.seq_id: 2}
 
 
 def test_calibration_waits_for_a_round_without_prefill():
@@ -200,6 +219,21 @@ def test_no_probes_where_no_k_could_pay():
     history = _run_rejected_rounds(cheap, 400, join={0: 16})
     assert not cheap.cost.cannot_pay(16, 4)
     assert sum(max(ks) > 0 for ks in history) >= 400 // cheap.adaptive_cfg.probe_interval - 2
+
+
+def test_a_verify_no_round_picks_does_not_keep_probes_alive():
+    """Verifies of 1 and 2 drafts measured dear (2x and 3x a plain round) and speculation losing:
+    longer ones were never measured, because probes at low acceptance pick short k. Choosing k
+    still prices them optimistically (one round would measure them), but the decision to stop
+    probing prices them on the measured line (4x, 5x), so it is taken."""
+    cost = CostModel()
+    for k, t in ((0, 0.05), (1, 0.10), (2, 0.15)):
+        for _ in range(4):
+            cost.observe(k, 0.001 * k, k, t, batch=16)
+            cost.observe_throughput(16, k > 0, 16, t)
+    assert cost.verify_cost(4, 16) == pytest.approx(3.0)  # optimistic: as the longest measured below
+    assert cost.verify_cost(4, 16, optimistic=False) == pytest.approx(5.0)
+    assert cost.cannot_pay(16, 4)
 
 
 def test_rounds_at_other_batch_sizes_do_not_bring_a_hopeless_probe_back():
