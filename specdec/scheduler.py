@@ -145,10 +145,10 @@ class Scheduler:
     def prefilling(seq: Sequence) -> bool:
         """The target lacks some of the row's context (a new prompt, a resent one). Such a row of
         the adaptive policy drafts nothing in that round: a model draft that reads the target's
-        features has none for it yet, and the Draft call would only delay its prefill (through HTTP,
-        lanes of 4 new rows at temperature 1: one speculative prefill round per lane, 190 ms for
-        3.2 tokens against ~100 ms for 4 plainly, the time to first token +15-80 ms; prefill rounds
-        feed no cost model, so the adaptive policy never learnt it)."""
+        features has none for it yet, and the Draft call delays its prefill (through HTTP, lanes of
+        4 new rows at temperature 1: a speculative prefill round took 190 ms for 3.2 tokens, 26 ms
+        of it the Draft call; prefill rounds feed no cost model, so the adaptive policy could not
+        learn it; BENCHMARKS.md "Prefill rounds draft nothing")."""
         return seq.target_offset < len(seq.tokens)
 
     def plan(self) -> RoundPlan | None:
