@@ -36,10 +36,10 @@ from http_bench import PROMPT_SETS  # noqa: E402
 
 from specdec import adaptive  # noqa: E402
 from specdec.corpus import NgramCorpus  # noqa: E402
+from specdec.eagle_draft import load_eagle  # noqa: E402
 from specdec.engine import EngineConfig, LLMEngine  # noqa: E402
 from specdec.loader import bundled_corpus_for, load_model, load_tokenizer, resolve_corpus  # noqa: E402
 from specdec.prompts import encode_chat  # noqa: E402
-from specdec.eagle_draft import load_eagle  # noqa: E402
 from specdec.proposers import EagleProposer, NgramProposer  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.target_worker import TargetWorker  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--lookup-k", type=int, default=2, help="the app's default with a corpus")
     ap.add_argument("--draft-k", type=int, default=2, help="in-target draft chain, sampled rows")
     ap.add_argument("--greedy-draft-k", type=int, default=3, help="in-target draft chain, greedy rows")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="which of them (plain, the reference, must be one)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
