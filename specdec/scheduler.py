@@ -131,8 +131,8 @@ class Scheduler:
             k = req
         elif self.cfg.adaptive:
             pinned = self.pinned_k(seq)
-            if calibrate or (throttle and not pinned) or (self.prefilling(seq) and not pinned):
-                return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here; prefill: below
+            if calibrate or (not pinned and (throttle or self.prefilling(seq))):
+                return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here; `prefilling`
             cost = self.seeded_cost if pinned else self.cost
             k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max,
                                     measured_win=not pinned and self.cost.speculation_wins(batch),
@@ -158,7 +158,7 @@ class Scheduler:
             return None
         seqs = list(self.running)
         B = len(seqs)
-        prefill = any(s.target_offset < len(s.tokens) for s in seqs)
+        prefill = any(map(self.prefilling, seqs))
         # A calibration round is plain for every row, so that it measures t(B, 0): only when no
         # row's k is pinned, and without a prefill (whose time would not be a step's). Until
         # such a round comes, rows choose from the costs measured so far, never stuck at k = 0.
@@ -277,7 +277,7 @@ class Scheduler:
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
-        plan.prefill = plan.prefill or any(s.target_offset < len(s.tokens) for s in seqs)
+        plan.prefill = plan.prefill or any(map(self.prefilling, seqs))
         return plan.draft_batch.with_side(
             [s.target_offset for s in seqs], [s.tokens[s.target_offset:] for s in seqs],
             num_draft=list(draft.num_draft), features=None)  # features are the draft's, not the target's
