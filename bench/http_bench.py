@@ -197,24 +197,17 @@ def engine_baselines(app, max_tokens, n_prompts=4, temperature: float = 0.0,
     (serve_app.args.AppArgs `app`); plain decoding)."""
     import torch
 
-    from specdec.corpus import NgramCorpus
-    from specdec.loader import load_model, load_tokenizer, parse_dtype, resolve_corpus
-    from specdec.proposers import build_proposer
+    from deployments.draft import make_proposer
+    from deployments.target import make_worker
+    from specdec.loader import load_model, load_tokenizer, parse_dtype
     from specdec.target_worker import TargetWorker
     torch.set_num_threads(os.cpu_count() or 1)
     app.validate_models()
     tc, dc, rc = app.target_config(), app.draft_config(), app.router_config()
-    dtype = parse_dtype(tc.dtype)
-    tok, model = load_tokenizer(tc.model), load_model(tc.model, dtype=dtype)
-    corpus = NgramCorpus.load(resolve_corpus(tc.lookup_corpus)) if tc.lookup_corpus else None
-    drafter = None if not tc.draft_in_target else build_proposer(
-        "eagle", draft=tc.draft_in_target, target=tc.model, dtype=dtype, num_slots=1, max_model_len=2048,
-        target_model=model)
-    prop = build_proposer(dc.proposer, draft=dc.draft, target=dc.target, dtype=dtype, num_slots=1, max_model_len=2048,
-                          target_model=model, top_j=dc.top_j, ngram_min=dc.ngram_min, ngram_max=dc.ngram_max,
-                          hybrid_ngram_min=dc.hybrid_ngram_min)
-    worker = TargetWorker(model, 1, 2048, corpus=corpus, drafter=drafter, draft_k=tc.draft_in_target_k,
-                          greedy_draft_k=tc.draft_in_target_greedy_k)
+    tok, model = load_tokenizer(tc.model), load_model(tc.model, dtype=parse_dtype(tc.dtype))
+    one = {"num_slots": 1, "max_model_len": 2048}
+    prop = make_proposer(dc.model_copy(update=one), target_model=model)
+    worker = make_worker(tc.model_copy(update={**one, "return_hidden": False}), model)
     spec = run_engine(tok, worker, prop, 1, n_prompts, max_tokens, temperature, questions, rc)["tps"]
     plain = run_engine(tok, TargetWorker(model, 1, 2048), None, 1, n_prompts, max_tokens, temperature, questions)["tps"]
     return spec, plain

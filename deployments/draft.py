@@ -42,16 +42,22 @@ class DraftConfig(ModelRuntime, ProposerSettings):
     ngram_max: int = Field(3, ge=1, description="Longest n-gram matched by prompt lookup.")
 
 
+def make_proposer(c: DraftConfig, **overrides):
+    """The proposer a Draft replica runs for `c`; `overrides`: other `build_proposer` arguments (an
+    in-process copy of the service, e.g. bench/http_bench.py, shares its target model)."""
+    kw = dict(draft=c.draft, target=c.target, self_draft_layers=c.self_draft_layers, dtype=parse_dtype(c.dtype),
+              device=c.device, num_slots=c.num_slots, max_model_len=c.max_model_len, top_j=c.top_j,
+              ngram_min=c.ngram_min, ngram_max=c.ngram_max, hybrid_ngram_min=c.hybrid_ngram_min)
+    return build_proposer(c.proposer, **{**kw, **overrides})
+
+
 class DraftDeployment:
     """Serve deployment class (decorated by the builder)."""
 
     def __init__(self, config: dict):
         self.cfg = c = DraftConfig(**config)
         self.thread = ModelThread(c.num_threads, "draft")  # all torch work of the replica
-        self.proposer = self.thread.run(
-            build_proposer, c.proposer, draft=c.draft, target=c.target, self_draft_layers=c.self_draft_layers,
-            dtype=parse_dtype(c.dtype), device=c.device, num_slots=c.num_slots, max_model_len=c.max_model_len,
-            top_j=c.top_j, ngram_min=c.ngram_min, ngram_max=c.ngram_max, hybrid_ngram_min=c.hybrid_ngram_min)
+        self.proposer = self.thread.run(make_proposer, c)
         self.proposed = LoadMeter()
         self.id = replica_id()
         ensure_provider()

@@ -128,6 +128,24 @@ class TPGroupModel:
         return out
 
 
+def make_worker(cfg: TargetConfig, model) -> TargetWorker:
+    """The target side of rounds over `model` (rank 0's, or a TP group's) as `cfg` sets it up: KV
+    slots, the lookup corpus, the in-target draft (an in-process copy of the service, e.g.
+    bench/http_bench.py, builds it the same way)."""
+    corpus = NgramCorpus.load(resolve_corpus(cfg.lookup_corpus)) if cfg.lookup_corpus else None
+    return TargetWorker(model, cfg.num_slots, cfg.max_model_len, cfg.return_hidden, corpus,
+                        _drafter(cfg, model), cfg.draft_in_target_k, cfg.draft_in_target_greedy_k)
+
+
+def _drafter(cfg: TargetConfig, model):
+    """The in-target draft (TargetConfig.draft_in_target), sharing the target's embedding and head, or None."""
+    if not cfg.draft_in_target:
+        return None
+    from specdec.proposers import build_proposer
+    return build_proposer("eagle", draft=cfg.draft_in_target, target=cfg.model, dtype=parse_dtype(cfg.dtype),
+                          num_slots=cfg.num_slots, max_model_len=cfg.max_model_len, target_model=model)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -152,18 +170,7 @@ class TargetDeployment:
         model = _load_rank(self.cfg, 0, self.cfg.tp)
         if self.workers:
             model = TPGroupModel(model, self.workers)
-        corpus = NgramCorpus.load(resolve_corpus(self.cfg.lookup_corpus)) if self.cfg.lookup_corpus else None
-        return TargetWorker(model, self.cfg.num_slots, self.cfg.max_model_len, self.cfg.return_hidden, corpus,
-                            self._drafter(model), self.cfg.draft_in_target_k, self.cfg.draft_in_target_greedy_k)
-
-    def _drafter(self, model):
-        """The in-target draft (TargetConfig.draft_in_target), sharing the target's embedding and head, or None."""
-        if not self.cfg.draft_in_target:
-            return None
-        from specdec.proposers import build_proposer
-        return build_proposer("eagle", draft=self.cfg.draft_in_target, target=self.cfg.model,
-                              dtype=parse_dtype(self.cfg.dtype), num_slots=self.cfg.num_slots,
-                              max_model_len=self.cfg.max_model_len, target_model=model)
+        return make_worker(self.cfg, model)
 
     def _start_workers(self) -> list:
         from ray.util.placement_group import get_current_placement_group
