@@ -55,8 +55,9 @@ class SpecBatch(Wire):
     race: list[bool] | None = None  # a multi-step round: rows (sampled, unseeded: their output need not
     # reproduce) whose in-target draft chains are raced with the noise of the positions they draft
     # (TargetWorker._step_drafts, sampling.race_sample)
-    race_noise: list[Tensor | None] | None = None  # to an in-process proposer: per row, [k, vocab] Exp(1)
-    # noise of the positions it drafts; it takes the token its q wins the race with (never crosses processes)
+    race_noise: list | None = None  # to an in-process proposer: per row, the Exp(1) noise of the positions it
+    # drafts ([k, vocab], or a sampling.RaceNoise over its vocabulary); it takes the token its q wins the race
+    # with (never crosses processes)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
 
     def __len__(self) -> int:

@@ -97,7 +97,7 @@ def random_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor,
 
 
 def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor,
-                   u_sample: Tensor, race: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+                   u_sample: Tensor, race: list | None = None) -> tuple[Tensor, Tensor]:
     """Deterministic drafts (prompt lookup) checked against the target's own draws: at every
     position the target draws its token by inverse CDF with that position's uniform, exactly as a
     plain step would, and a draft is accepted while it equals the draw. The tokens emitted are
@@ -105,8 +105,9 @@ def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor
     the target's), and draft x is accepted with probability p(x), as `random_verify` with a
     one-hot q would. Needs one uniform per *position* of the sequence, never reused.
 
-    race[b] ([n, V] or None): row b draws its first n positions by the exponential race with that
-    noise (`sampling.race_sample`, the noise its drafts were raced with) instead of by inverse CDF:
+    race[b] ([n, V], a `sampling.RaceNoise` of n positions, or None): row b draws its first n
+    positions by the exponential race with that noise (`sampling.race_sample`, the noise its drafts
+    were raced with) instead of by inverse CDF:
     an exact draw from the target as well, which the draft matches far more often.
 
     target_probs [B, K+1, V], draft_tokens [B, K], num_draft [B], u_sample [B, K+1]
@@ -125,7 +126,7 @@ def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor
 def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor,
                      draft_probs: DraftProbs | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                      uniforms: Tensor, coupled: bool = False,
-                     race: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+                     race: list | None = None) -> tuple[Tensor, Tensor]:
     """Verify one batched round.
 
     target_logits [B, K+1, V]; draft_tokens [B, K] (rows padded past num_draft [B]);

@@ -120,29 +120,96 @@ def _token_keys(n: int, device: str) -> Tensor:
     return torch.arange(1, n + 1, dtype=torch.int64, device=device) * _MIX[0]
 
 
+def _mix(u: Tensor, keys: Tensor) -> Tensor:
+    """[N, m] int64: SplitMix64 of (the 53 bits of each uniform of u [N], each token key [m])."""
+    x = (u.double() * 2.0 ** 53).long()[:, None] ^ keys[None, :]
+    x = (x ^ _shr(x, 30)) * _MIX[1]
+    x = (x ^ _shr(x, 27)) * _MIX[2]
+    return x ^ _shr(x, 31)
+
+
+def _unit(x: Tensor) -> Tensor:
+    """53-bit floats in [0, 1) from mixed int64 words."""
+    return _shr(x, 11).double() * 2.0 ** -53
+
+
+def _exp(x: Tensor) -> Tensor:
+    """Exp(1) variates (float32) from mixed int64 words."""
+    return (-torch.log(_unit(x) + 2.0 ** -53)).float()  # log of (0, 1]
+
+
 def race_noise(u: Tensor, n: int) -> Tensor:
     """[N, n] float32 Exp(1) variates for token ids 0..n-1, one independent row per uniform of
     u [N] (float64 in [0, 1), 53 bits): SplitMix64 (Steele et al. 2014) of (the uniform's 53 bits,
     token id), a counter-based stream keyed by every bit (a torch.Generator keeps only 32). A
     position's uniform thus fixes the noise of all its tokens, in whichever process needs it."""
-    key = (u.double() * 2.0 ** 53).long()  # [N]: the 53 random bits
-    x = key[:, None] ^ _token_keys(n, str(u.device))[None, :]
-    x = (x ^ _shr(x, 30)) * _MIX[1]
-    x = (x ^ _shr(x, 27)) * _MIX[2]
-    x = x ^ _shr(x, 31)
-    unit = (_shr(x, 11) + 1).double() * 2.0 ** -53  # (0, 1]
-    return (-torch.log(unit)).float()
+    return _exp(_mix(u, _token_keys(n, str(u.device))))
 
 
-def race_sample(probs: Tensor, noise: Tensor) -> Tensor:
+@dataclass
+class RaceNoise:
+    """The noise of positions' races drawn over some tokens only (`ids`: a draft's reduced
+    vocabulary), the other tokens of the vocabulary merged into one exponential clock.
+
+    In the race argmax_v p_v / E_v, the best of a set C of tokens scores P_C / E with E ~ Exp(1)
+    (the first of independent exponential clocks of rates p_v rings at rate P_C = sum p_v), and
+    which token of C it is follows p on C, independently of E. So racing `ids` with their own
+    noise (the same values `race_noise` gives them) against one clock `rest` for the rest, whose
+    token is drawn by `pick`, is an exact draw from p, and a draft whose q is zero outside `ids`
+    is coupled with it exactly as by the full race, for a sixth of the noise (8192 of 49,152)."""
+
+    ids: Tensor  # [m] token ids raced with their own noise
+    noise: Tensor  # [N, m] Exp(1), as race_noise's at those ids
+    rest: Tensor  # [N] Exp(1): the merged clock of the other tokens
+    pick: Tensor  # [N] in [0, 1): which of the other tokens, when their clock wins
+
+    def __len__(self) -> int:
+        return len(self.noise)
+
+    def __getitem__(self, rows: slice) -> "RaceNoise":
+        return RaceNoise(self.ids, self.noise[rows], self.rest[rows], self.pick[rows])
+
+    def to(self, device) -> "RaceNoise":
+        return RaceNoise(*(t.to(device) for t in (self.ids, self.noise, self.rest, self.pick)))
+
+
+def race_noise_over(u: Tensor, n: int, ids: Tensor) -> RaceNoise:
+    """`race_noise(u, n)` restricted to token `ids` [m], the other tokens of the vocabulary (0..n-1)
+    merged (`RaceNoise`): their clock and pick are keyed by ids n and n + 1, outside the vocabulary."""
+    ids = ids.to(device=u.device, dtype=torch.int64)
+    extra = _mix(u, _token_keys(n + 2, str(u.device))[n:])  # [N, 2]
+    return RaceNoise(ids, _exp(_mix(u, (ids + 1) * _MIX[0])), _exp(extra[:, 0]), _unit(extra[:, 1]))
+
+
+def noise_over(noise: Tensor | RaceNoise, ids: Tensor | None) -> Tensor:
+    """[N, m] the noise of tokens `ids` (all: None), from full noise or a `RaceNoise` over them."""
+    if isinstance(noise, RaceNoise):
+        if ids is None or not torch.equal(ids.to(noise.ids.device), noise.ids):
+            raise ValueError("race noise drawn over other tokens")
+        return noise.noise
+    return noise if ids is None else noise[:, ids.to(noise.device)]
+
+
+def race_sample(probs: Tensor, noise: Tensor | RaceNoise) -> Tensor:
     """The exponential race (the Gumbel-max trick): argmax_v probs_v / E_v with E_v ~ Exp(1) iid is
-    an exact sample from probs (which need not sum to 1). probs, noise: [N, V] -> [N].
+    an exact sample from probs (which need not sum to 1). probs, noise: [N, V] -> [N]; or noise a
+    `RaceNoise` (its tokens raced, the rest merged into one clock: the same distribution).
 
     Two distributions raced with the same noise pick the same token with probability close to
     sum min(p, q), the most any coupling reaches (Gumbel coupling; e.g. Daliri et al. 2024), so a
     draft that races its q with the noise of the position it drafts for proposes the target's own
     draw far more often than its argmax does (TargetWorker, in-target chains of unseeded sampled rows)."""
-    return (probs.float() / noise).argmax(-1)
+    p = probs.float()
+    if not isinstance(noise, RaceNoise):
+        return (p / noise).argmax(-1)
+    best, at = (p[:, noise.ids] / noise.noise).max(-1)  # [N]: the raced tokens' winner
+    others = p.clone()
+    others[:, noise.ids] = 0.0  # [N, V]: the merged tokens
+    outside = others.sum(-1) / noise.rest > best  # their clock rings first (never with no mass)
+    out = noise.ids[at]
+    if bool(outside.any()):
+        out = torch.where(outside, sample_from_probs(others, noise.pick), out)
+    return out
 
 
 def _stream(base_seed: int, position: int, k: int, n: int) -> bytes:

@@ -18,7 +18,7 @@ from specdec.proposers.base import Proposer
 from specdec.proposers.ngram import ngram_lookup
 from specdec.rejection_sampler import DraftProbs, rejection_sample
 from specdec.runner import CacheFullError, SlotTable, run_ragged
-from specdec.sampling import race_noise
+from specdec.sampling import RaceNoise, race_noise, race_noise_over
 
 
 PENDING_FEATURES = 512  # positions of features kept per sequence for the in-target drafter (older: dropped)
@@ -183,12 +183,16 @@ class TargetWorker:
             race[r] = None if n is None else n[: len(drafts[r])]
         return drafts, mine, race if any(n is not None for n in race) else None
 
-    def _race_noise(self, batch: SpecBatch, i: int, e: int, k: int) -> torch.Tensor | None:
-        """[k, vocab] Exp(1) noise of row i's draws e .. e+k-1 in this round, for a row of
-        `batch.race` (None for other rows): one vector per position, keyed by its draw's uniform."""
+    def _race_noise(self, batch: SpecBatch, i: int, e: int, k: int) -> torch.Tensor | RaceNoise | None:
+        """Exp(1) noise of row i's draws e .. e+k-1 in this round, for a row of `batch.race` (None
+        for other rows): one vector per position, keyed by its draw's uniform; [k, vocab], or over
+        the drafter's reduced vocabulary only, the other tokens merged (`sampling.RaceNoise`: the
+        same draws in distribution, a sixth of the noise for the shipped draft)."""
         if not (batch.race and batch.race[i]) or k == 0:
             return None
-        return race_noise(self._draws(batch, i, e, k)[1], self.vocab_size)
+        u = self._draws(batch, i, e, k)[1]
+        tmap = getattr(self.drafter, "token_map", None)
+        return race_noise(u, self.vocab_size) if tmap is None else race_noise_over(u, self.vocab_size, tmap)
 
     def _draft_chains(self, batch: SpecBatch, go: list, ks: list[int],
                       noise: list[torch.Tensor | None]) -> list[list[int]]:

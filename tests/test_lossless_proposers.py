@@ -281,12 +281,15 @@ def test_sampled_draft_in_target_is_lossless(models, case):
 
 
 class _Raced(TargetWorker):
-    """Counts the chain positions drawn by the exponential race (TargetWorker._race_noise)."""
-    raced = 0
+    """Counts the chain positions drawn by the exponential race (TargetWorker._race_noise), and of
+    them those raced over the draft's reduced vocabulary (sampling.RaceNoise)."""
+    raced = reduced = 0
 
     def _race_noise(self, batch, i, e, k):
+        from specdec.sampling import RaceNoise
         noise = super()._race_noise(batch, i, e, k)
         type(self).raced += 0 if noise is None else len(noise)
+        type(self).reduced += len(noise) if isinstance(noise, RaceNoise) else 0
         return noise
 
 
@@ -295,9 +298,10 @@ class _PositionNoise(_Raced):
     request then races with the same noise there: its draw is a function of the context)."""
 
     def _race_noise(self, batch, i, e, k):
-        from specdec.sampling import race_noise
+        from specdec.sampling import race_noise_over
         noise = super()._race_noise(batch, i, e, k)
-        return None if noise is None else race_noise(torch.arange(e, e + k, dtype=torch.float64) / 64, noise.shape[1])
+        u = torch.arange(e, e + k, dtype=torch.float64) / 64
+        return None if noise is None else race_noise_over(u, self.vocab_size, self.drafter.token_map)
 
 
 def _sample_raced(models, worker, case, seed0: int, monkeypatch):
@@ -319,8 +323,10 @@ def test_sampled_raced_draft_in_target_is_lossless(models, case, monkeypatch):
     """Unseeded sampled rows: the in-target drafter's chains are raced with the noise of the
     positions they draft, and those positions are drawn by the exponential race with the same
     noise (TargetWorker._step_drafts): the draws are still exactly the target's."""
+    _Raced.reduced = 0
     pv, st = _sample_raced(models, _Raced, case, 110_000 + 1000 * CASES.index(case), monkeypatch)
     assert _Raced.raced > N // 4  # the race path ran
+    assert _Raced.reduced == _Raced.raced  # over the draft's reduced vocabulary (the rest merged)
     assert st.target_draft_accepted > N // 25 and st.target_drafted > st.target_draft_accepted
     assert min(pv) > ALPHA, pv
 

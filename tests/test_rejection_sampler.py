@@ -239,6 +239,29 @@ def test_race_sample_draws_from_p_and_its_noise_is_keyed_by_each_uniform():
     assert not torch.equal(race_noise(u[:1], 50), race_noise(u[1:2], 50))
 
 
+@pytest.mark.parametrize("merged", [True, False], ids=["exact", "broken-no-merged-clock"])
+def test_race_over_a_reduced_vocabulary_is_exact(merged):
+    """`RaceNoise`: the draft's tokens raced with their own noise (the values the full race gives
+    them), the other tokens merged into one clock. Its draws follow p (chi-square, mass outside the
+    draft's tokens included), never a zero-probability token. A broken variant without the merged
+    clock (the draft's tokens only) must fail the same check."""
+    from specdec.sampling import RaceNoise, noise_over, race_noise, race_noise_over, race_sample
+    p = torch.tensor([0.05, 0.0, 0.3, 0.1, 0.2, 0.0, 0.15, 0.2])
+    ids = torch.tensor([0, 2, 5, 7])  # a reduced head: tokens 3, 4 and 6 (0.45 of p) outside it
+    u = torch.rand(40_000, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    rn = race_noise_over(u, len(p), ids)
+    assert torch.equal(noise_over(rn, ids), race_noise(u, len(p))[:, ids])  # the same noise on ids
+    if not merged:
+        rn = RaceNoise(rn.ids, rn.noise, torch.full_like(rn.rest, float("inf")), rn.pick)
+    x = race_sample(p.expand(len(u), -1), rn)
+    counts = torch.bincount(x, minlength=len(p))
+    assert counts[1] == counts[5] == 0
+    keep = p > 0
+    pvalue = chisquare(counts[keep].numpy(), (p[keep] * len(u)).numpy()).pvalue
+    assert (pvalue > 1e-3) == merged, pvalue
+    assert len(rn[:5]) == 5 and torch.equal(rn[1:3].noise, rn.noise[1:3])
+
+
 def test_coupled_verify_races_the_positions_it_is_given_noise_for():
     """Positions with race noise are the race's draw from the target's probabilities (the draft
     accepted where it equals it); the others keep the inverse-CDF draw of their uniform."""

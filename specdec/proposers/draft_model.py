@@ -23,7 +23,7 @@ from specdec.metadata import U_DRAFT, DraftOutput, SpecBatch
 from specdec.proposers.base import TOP_J, Proposer
 from specdec.rejection_sampler import DraftProbs
 from specdec.runner import CacheFullError, SlotTable, run_ragged
-from specdec.sampling import logits_to_probs, race_sample, sample_from_probs
+from specdec.sampling import logits_to_probs, noise_over, race_sample, sample_from_probs
 
 
 class DraftModelProposer(Proposer):
@@ -84,7 +84,7 @@ class DraftModelProposer(Proposer):
         for r, i in enumerate(rows):
             noise = batch.race_noise[i]
             if noise is not None and step < len(noise):
-                n = noise[step] if self.token_map is None else noise[step][self.token_map]
+                n = noise_over(noise, self.token_map)[step]  # [V_draft]: the noise of this head's tokens
                 local[r] = race_sample(probs[r: r + 1], n[None].to(probs.device))[0]
         return local
 
