@@ -177,8 +177,9 @@ def race_noise_over(u: Tensor, n: int, ids: Tensor) -> RaceNoise:
     """`race_noise(u, n)` restricted to token `ids` [m], the other tokens of the vocabulary (0..n-1)
     merged (`RaceNoise`): their clock and pick are keyed by ids n and n + 1, outside the vocabulary."""
     ids = ids.to(device=u.device, dtype=torch.int64)
-    extra = _mix(u, _token_keys(n + 2, str(u.device))[n:])  # [N, 2]
-    return RaceNoise(ids, _exp(_mix(u, (ids + 1) * _MIX[0])), _exp(extra[:, 0]), _unit(extra[:, 1]))
+    keys = _token_keys(n + 2, str(u.device))  # the keys race_noise uses, and two more
+    extra = _mix(u, keys[n:])  # [N, 2]
+    return RaceNoise(ids, _exp(_mix(u, keys[ids])), _exp(extra[:, 0]), _unit(extra[:, 1]))
 
 
 def noise_over(noise: Tensor | RaceNoise, ids: Tensor | None) -> Tensor:
