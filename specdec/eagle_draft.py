@@ -240,8 +240,10 @@ class _TrainKV(nn.Module):
         self.k = self.v = None
 
     def update(self, rows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v [B, T, kv_heads, head_dim], recorded; returns the keys/values to attend to laid out
+        as the slot cache returns them, [B, kv_heads, L, head_dim]."""
         self.k, self.v = k, v
-        if self.context is None:
-            return k, v
-        return torch.cat([self.context[0], k], dim=1), torch.cat([self.context[1], v], dim=1)
+        if self.context is not None:
+            k, v = torch.cat([self.context[0], k], dim=1), torch.cat([self.context[1], v], dim=1)
+        return k.transpose(1, 2), v.transpose(1, 2)
 

@@ -20,7 +20,7 @@ near-ties: SDPA's CPU kernel rounds a query row differently with one and with se
 and matmul kernels pick their blocking by the row count (measured: bench/bf16_invariance.py).
 `Transformer.position_invariant` (default: on for bfloat16/float16) removes both: attention as
 float32 matmuls with a float32 softmax, the query heads of a key/value head stacked into one matrix padded
-to a constant multiple of rows (`ATTN_ROWS`), the weighted sum over keys taken in chunks of a constant
+to a multiple of `ATTN_ROWS` rows (never fewer than 4), the weighted sum over keys taken in chunks of a constant
 `ATTN_KEYS` keys added in order (a matmul's own reduction over a longer key axis adds in another order
 when masked keys follow a query's last one), and a lone one-token step (batch 1, T = 1) padded to
 two positions (the dummy's key/value land one position ahead, are never attended, and are
@@ -82,7 +82,9 @@ class ModelArgs:
 
 
 class KVCache(nn.Module):
-    """Preallocated keys/values: [slots, max_len, kv_heads, head_dim] per layer.
+    """Preallocated keys/values: [slots, kv_heads, max_len, head_dim] per layer, head-major, so
+    that the keys a batch reads, [B, kv_heads, L, head_dim], are a view attention's matmuls take
+    as they are (a position-major cache made every layer copy them through a transpose first).
 
     `max_len` includes a margin for padded rows of ragged batches (their padding positions
     write garbage past the row's end, which is never attended and later overwritten).
@@ -90,18 +92,19 @@ class KVCache(nn.Module):
 
     def __init__(self, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device=None):
         super().__init__()
-        shape = (num_slots, max_len, num_kv_heads, head_dim)
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, rows: "BatchIndex", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # k, v: [B, T, kv_heads, head_dim] written at (slot, position)
-        self.k.index_put_((rows.slot_grid, rows.pos_grid), k)
-        self.v.index_put_((rows.slot_grid, rows.pos_grid), v)
+        """Write k, v [B, T, kv_heads, head_dim] at each row's (slot, positions); return the rows'
+        keys and values [B, kv_heads, kv_len, head_dim]."""
+        self.k[rows.slot_grid, :, rows.pos_grid] = k
+        self.v[rows.slot_grid, :, rows.pos_grid] = v
         if rows.slot_range is not None:
             lo, hi = rows.slot_range
-            return self.k[lo:hi, : rows.kv_len], self.v[lo:hi, : rows.kv_len]
-        return self.k[rows.slots, : rows.kv_len], self.v[rows.slots, : rows.kv_len]
+            return self.k[lo:hi, :, : rows.kv_len], self.v[lo:hi, :, : rows.kv_len]
+        return self.k[rows.slots, :, : rows.kv_len], self.v[rows.slots, :, : rows.kv_len]
 
 
 @dataclass
@@ -312,15 +315,15 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin  # cos/sin: [B, T, 1, head_dim]
         k = k * cos + rotate_half(k) * sin
         if self.kv_cache is None:  # training: the T tokens are the whole sequence (rows.mask is causal)
-            keys, values = k, v
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
-            keys, values = self.kv_cache.update(rows, k, v)  # [B, L, kv_heads, head_dim]
+            keys, values = self.kv_cache.update(rows, k, v)  # [B, kv_heads, L, head_dim]
         attend = grouped_attention if rows.exact else _sdpa
-        out = attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), rows.mask)  # [B, heads, T, head_dim]
+        out = attend(q.transpose(1, 2), keys, values, rows.mask)  # [B, heads, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
-ATTN_ROWS = 16  # query rows per key/value head in position-invariant attention (padded up to a multiple)
+ATTN_ROWS = 4  # query rows per key/value head in position-invariant attention (padded up to a multiple; see below)
 ATTN_KEYS = 64  # keys per chunk of its weighted sum (the keys padded up to a multiple)
 
 
@@ -334,8 +337,11 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     The rep = H / Hkv query heads of a key/value head form one matrix of rep * T rows (no copy of
     k/v), padded to a multiple of ATTN_ROWS: CPU matmul kernels pick their blocking by the row
-    count, so a constant row count keeps a row's result the same for a plain step and a
-    verification. Scores, softmax and the weighted sum are float32 (bf16 scores lost accuracy,
+    count, and the float32 ones give a row the same result for every count from 4 rows up but not
+    below (measured on this project's EPYC for every count from 4 to 47, 1 and 2 threads, key
+    lengths 64-1024; 16 rows were the padding until that was measured, and cost a plain step at
+    batch 16 up to 5x the attention FLOPs). The keys and values are views of the head-major cache
+    (`KVCache`), taken by the matmuls without a transpose copy. Scores, softmax and the weighted sum are float32 (bf16 scores lost accuracy,
     tests/test_demo.py). The weighted sum runs over chunks of ATTN_KEYS keys, one fixed-size matmul
     each, added in order: a row's sum then does not depend on how many masked keys follow its last
     one (a plain step reads fewer keys than a verification of the same position; one matmul over all
@@ -345,16 +351,14 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     rep = H // Hkv
     M = rep * T
     rows = -(-M // ATTN_ROWS) * ATTN_ROWS
-    qg = q.reshape(B, Hkv, M, D)
-    if rows != M:
-        qg = torch.cat([qg, qg.new_zeros(B, Hkv, rows - M, D)], dim=2)
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2))[:, :, :M]  # [B, Hkv, rep*T, L]
+    qg = F.pad(q.reshape(B, Hkv, M, D).float(), (0, 0, 0, rows - M))  # [B, Hkv, rows, D]
+    scores = torch.matmul(qg, k.float().transpose(-1, -2))[:, :, :M]  # [B, Hkv, rep*T, L]
     scores = scores.view(B, Hkv, rep, T, L) * D ** -0.5
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, Hkv, M, L)
     n, pad = -(-L // ATTN_KEYS), -L % ATTN_KEYS  # chunks of keys (the cache reads whole ones: no pad)
     p = F.pad(p, (0, pad, 0, rows - M)).view(B, Hkv, rows, n, ATTN_KEYS)  # zero rows, zero keys
-    v = F.pad(v.float(), (0, 0, 0, pad)).view(B, Hkv, n, ATTN_KEYS, D)  # [B, Hkv, n, C, D]
+    v = (F.pad(v.float(), (0, 0, 0, pad)) if pad else v.float()).view(B, Hkv, n, ATTN_KEYS, D)  # [B, Hkv, n, C, D]
     out = torch.matmul(p.transpose(2, 3), v).sum(2)[:, :, :M]  # [B, Hkv, n, rows, D] -> [B, Hkv, rep*T, D]
     return out.reshape(B, H, T, D).to(q.dtype)
 
