@@ -1,4 +1,5 @@
-"""Test helper: wait until a deployed app holds nothing (no sequences, slots or stray tasks)."""
+"""Test helpers for deployed apps: wait until one holds nothing (no sequences, slots or stray tasks),
+and send it concurrent greedy completions."""
 from __future__ import annotations
 
 import asyncio
@@ -50,3 +51,11 @@ async def assert_idle_async(app: str, url: str, headers: dict | None = None, tim
                             max_tasks: int | None = None) -> dict:
     """`assert_idle` for async tests: Serve refuses sync handle calls on a running event loop."""
     return await asyncio.to_thread(assert_idle, app, url, headers, timeout_s, max_tasks)
+
+
+async def greedy_burst(url: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """The texts of greedy completions (ignore_eos) of `prompts`, all sent at once."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120) as c:
+        rs = await asyncio.gather(*[c.post(f"{url}/v1/completions", json={**body, "prompt": p}) for p in prompts])
+    return [r.json()["choices"][0]["text"] for r in rs]

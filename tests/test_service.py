@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openai_schema import COMPLETION_CHUNK, validate
-from service_checks import assert_idle
+from service_checks import assert_idle, assert_idle_async, greedy_burst
 
 pytestmark = pytest.mark.ray
 
@@ -102,14 +102,8 @@ async def test_greedy_speculation_equals_plain_also_under_load(tiny_app):
     assert [s["choices"][0]["text"] for s in spec] == plain
     assert sum(s["usage"]["speculative"]["proposed_tokens"] for s in spec) > 0
 
-    async def burst():
-        async with httpx.AsyncClient(timeout=120) as c:
-            rs = await asyncio.gather(*[
-                c.post(f"{url}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 24, **GREEDY})
-                for p in PROMPTS * 2])
-        return [r.json()["choices"][0]["text"] for r in rs]
     before = httpx.get(f"{url}/stats").json()
-    loaded = await burst()
+    loaded = await greedy_burst(url, model, PROMPTS * 2, 24)
     after = httpx.get(f"{url}/stats").json()
     assert loaded == plain * 2
     rounds = after["rounds"] - before["rounds"]
@@ -211,7 +205,8 @@ def test_eagle_hybrid_over_tensor_parallel_matches_plain(deploy, ray_cluster, ti
     serve.delete("eagle")
 
 
-def test_draft_in_target_is_plain_decoding_through_http(deploy, ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
+@pytest.mark.asyncio
+async def test_draft_in_target_is_plain_decoding_through_http(deploy, ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
     """The default app's shape (hybrid EAGLE, tp=1, adaptive): the Target replica's copy of the draft
     drafts in multi-step plain rounds; greedy output still equals plain decoding, alone and 8 at a
     time, seeded samples repeat, and finished sequences leave nothing in its draft."""
@@ -220,13 +215,7 @@ def test_draft_in_target_is_plain_decoding_through_http(deploy, ray_cluster, tin
                               "max_model_len": 512, "dtype": "float32", "target_cpus": 0.25})
     plain = [_complete(url1, model, p, n_tokens=32, num_speculative_tokens=0)["choices"][0]["text"] for p in PROMPTS]
     assert [_complete(url, model, p, n_tokens=32)["choices"][0]["text"] for p in PROMPTS] == plain
-
-    async def burst():
-        async with httpx.AsyncClient(timeout=120) as c:
-            rs = await asyncio.gather(*[c.post(f"{url}/v1/completions", json={
-                "model": model, "prompt": p, "max_tokens": 32, **GREEDY}) for p in PROMPTS])
-        return [r.json()["choices"][0]["text"] for r in rs]
-    assert asyncio.run(burst()) == plain
+    assert await greedy_burst(url, model, PROMPTS, 32) == plain
     stats = httpx.get(f"{url}/stats").json()
     assert stats["target_drafted"] > 0 and stats["target_drafted"] <= stats["lookup_proposed"]
     body = {"model": model, "prompt": "def f(", "max_tokens": 16, "temperature": 1.0, "n": 3, "seed": 7}
@@ -234,10 +223,10 @@ def test_draft_in_target_is_plain_decoding_through_http(deploy, ray_cluster, tin
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
     unseeded = post(url, "/v1/completions", {**body, "seed": None, "ignore_eos": True}).json()  # raced chains
     assert unseeded["usage"]["completion_tokens"] == 3 * 16
-    assert_idle("intarget", url)
+    await assert_idle_async("intarget", url)
     from ray import serve
-    assert serve.get_deployment_handle("Target", app_name="intarget").stats.remote().result()["draft_in_target_active"] == 0
-    serve.delete("intarget")
+    assert (await serve.get_deployment_handle("Target", app_name="intarget").stats.remote())["draft_in_target_active"] == 0
+    await asyncio.to_thread(serve.delete, "intarget")
 
 
 def test_builder_refuses_bad_args(tiny_dir, tiny_draft_dir, tmp_path):
