@@ -99,8 +99,8 @@ class KVCache(nn.Module):
     def update(self, rows: "BatchIndex", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, T, kv_heads, head_dim] at each row's (slot, positions); return the rows'
         keys and values [B, kv_heads, kv_len, head_dim]."""
-        self.k[rows.slot_grid, :, rows.pos_grid] = k
-        self.v[rows.slot_grid, :, rows.pos_grid] = v
+        self.k.transpose(1, 2).index_put_((rows.slot_grid, rows.pos_grid), k)  # (the transpose: a view)
+        self.v.transpose(1, 2).index_put_((rows.slot_grid, rows.pos_grid), v)
         if rows.slot_range is not None:
             lo, hi = rows.slot_range
             return self.k[lo:hi, :, : rows.kv_len], self.v[lo:hi, :, : rows.kv_len]
