@@ -341,11 +341,12 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     below (measured on this project's EPYC for every count from 4 to 47, 1 and 2 threads, key
     lengths 64-1024; 16 rows were the padding until that was measured, and cost a plain step at
     batch 16 up to 5x the attention FLOPs). The keys and values are views of the head-major cache
-    (`KVCache`), taken by the matmuls without a transpose copy. Scores, softmax and the weighted sum are float32 (bf16 scores lost accuracy,
-    tests/test_demo.py). The weighted sum runs over chunks of ATTN_KEYS keys, one fixed-size matmul
-    each, added in order: a row's sum then does not depend on how many masked keys follow its last
-    one (a plain step reads fewer keys than a verification of the same position; one matmul over all
-    keys changed the sum in its last bit for ~5% of rows, and greedy outputs at 256 tokens)."""
+    (`KVCache`), taken by the matmuls without a transpose copy. Scores, softmax and the weighted
+    sum are float32 (bf16 scores lost accuracy, tests/test_demo.py). The weighted sum runs over
+    chunks of ATTN_KEYS keys, one fixed-size matmul each, added in order: a row's sum then does not
+    depend on how many masked keys follow its last one (a plain step reads fewer keys than a
+    verification of the same position; one matmul over all keys changed the sum in its last bit
+    for ~5% of rows, and greedy outputs at 256 tokens)."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     rep = H // Hkv
