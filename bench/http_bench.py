@@ -141,18 +141,23 @@ GATE_KEYS = ("rounds", "rounds_without")  # the LookupGate's multi-step rounds p
 # (kept as gate_rounds, gate_rounds_without)
 
 
-def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature, questions, first_spec: bool):
-    """Speculation off and on at one concurrency level, alternating wave by wave (a wave: one
-    request per client slot, the same questions in both modes), so that both modes see the same
-    machine: this one's speed drifts by 10-30 % within minutes. Returns {spec: measurements}."""
+def paired_level(url, model, concurrency, requests, max_tokens, bar, temperature, questions, first_spec: bool,
+                 per_client: int = 1):
+    """Speculation off and on at one concurrency level, alternating wave by wave (a wave:
+    `per_client` requests per client slot, each client sending its next request as soon as one
+    ends; the same questions in both modes), so that both modes see the same machine: this one's
+    speed drifts by 10-30 % within minutes. A wave ends with its slowest request: with one request
+    per client, rows that finish at different times (speculation) leave the lane running short
+    batches at every wave's end, which a steady stream of requests does not. Returns {spec: measurements}."""
     out = {s: {"tokens": 0, "wall": 0.0, "ttft": [], "itl": [], **{k: 0.0 for k in STAT_KEYS}, **{f"gate_{k}": 0.0 for k in GATE_KEYS}}
            for s in (False, True)}
-    waves = max(1, requests // concurrency)
+    size = concurrency * per_client
+    waves = max(1, requests // size)
     for w in range(waves):
         for spec in ((first_spec, not first_spec) if w % 2 == 0 else (not first_spec, first_spec)):
             before = httpx.get(f"{url}/stats", timeout=30).json()
-            r = asyncio.run(level(url, model, concurrency, concurrency, max_tokens, spec, bar, temperature,
-                                  questions, offset=w * concurrency))
+            r = asyncio.run(level(url, model, concurrency, size, max_tokens, spec, bar, temperature,
+                                  questions, offset=w * size))
             after = httpx.get(f"{url}/stats", timeout=30).json()
             o = out[spec]
             for k in ("tokens", "wall", "ttft", "itl"):
@@ -245,6 +250,8 @@ def main(argv=None):
     ap.add_argument("--stop-at-eos", action="store_true", help="answers end where the model ends them (at most "
                     "--max-tokens), as a user's do; tokens/s counts the usage chunk's completion tokens "
                     "(greedy answers are the same in both modes). Default: exactly --max-tokens (ignore_eos)")
+    ap.add_argument("--per-client", type=int, default=1, help="requests each client sends back to back within "
+                    "a wave (closed loop); --requests rounds to whole waves of concurrency x this")
     ap.add_argument("--app-args", default="{}", help="JSON: extra AppArgs for the local app (e.g. "
                     '\'{"lookup_k": 0}\')')
     a = ap.parse_args(argv)
@@ -260,7 +267,8 @@ def main(argv=None):
     url = a.url or start_local(args)
     # whole waves; by default at least 4 per mode and run (one wave per mode at 16 measured 0.77-0.94x
     # for identical work on this machine, four waves 1.00-1.05x)
-    n_req = {c: c * max(1, (a.requests or max(16, 4 * c)) // c) for c in levels}
+    w = {c: c * a.per_client for c in levels}  # requests per wave
+    n_req = {c: w[c] * max(1, (a.requests or max(16, 4 * c)) // w[c]) for c in levels}
     bar = tqdm(total=2 * a.repeats * sum(n_req.values()) + 2 * a.warmup, desc="http bench")
     for spec in (False, True):  # warm-up, not measured: a fresh router calibrates its cost model
         asyncio.run(level(url, a.model, 1, a.warmup, a.max_tokens, spec, bar, a.temperature, PROMPT_SETS[a.prompts]))
@@ -268,7 +276,7 @@ def main(argv=None):
     for rep in range(a.repeats):
         for c in levels:
             pair = paired_level(url, a.model, c, n_req[c], a.max_tokens, bar, a.temperature,
-                                PROMPT_SETS[a.prompts], first_spec=rep % 2 == 1)
+                                PROMPT_SETS[a.prompts], first_spec=rep % 2 == 1, per_client=a.per_client)
             for spec, m in pair.items():
                 r = {"tps": m["tokens"] / m["wall"], "ttft": statistics.median(m["ttft"]),
                      "itl": statistics.median(m["itl"])}
@@ -286,7 +294,8 @@ def main(argv=None):
         base, plain = engine_baselines(app, a.max_tokens, temperature=a.temperature, questions=PROMPT_SETS[a.prompts])
     how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
     print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat ({a.prompts} questions), "
-          f"{'up to ' if a.stop_at_eos else ''}{a.max_tokens} tokens, {a.dtype}")
+          f"{'up to ' if a.stop_at_eos else ''}{a.max_tokens} tokens, {a.dtype}, "
+          f"{a.per_client} request{'s' if a.per_client > 1 else ''} per client and wave")
     print(f"app args: {args}")
     print("| run | concurrency | speculation | tokens/s | TTFT p50 ms | ITL p50 ms | acceptance | drafts/token | "
           "lookup tokens/token (of proposed; gated rounds with lookups) | round ms (draft / target / other) | spec/off |")
