@@ -19,7 +19,7 @@ import torch
 from specdec.adaptive import AdaptiveConfig, AdaptiveK, CostModel
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.sampling import position_uniforms, round_uniforms
-from specdec.sequence import Sequence
+from specdec.sequence import FINISH_STOP, Sequence
 from specdec.stats import SpecStats
 
 
@@ -275,6 +275,16 @@ class Scheduler:
             seq.lookup_forwards = decay * seq.lookup_forwards + forwards
             self.cost.lookups.observe_row(forwards, hits)
 
+    @staticmethod
+    def _full_rows(plan: RoundPlan, verify: VerifyOutput) -> list[int]:
+        """Forwards taken by the rows of a multi-step round with lookups that had the round's whole
+        token budget and did not stop at a stop token: where they differ, lookups made them differ
+        (LookupGate.straggle)."""
+        b = plan.draft_batch
+        full = max(b.budget) if b.budget else max(b.steps)
+        return [f for i, ((f, _), s) in enumerate(zip(verify.lookup_rows, plan.seqs))
+                if f and (b.budget[i] if b.budget else b.steps[i]) == full and s.finish_reason != FINISH_STOP]
+
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
         plan.prefill = plan.prefill or any(map(self.prefilling, seqs))
@@ -325,8 +335,9 @@ class Scheduler:
         self.stats.target_draft_accepted += verify.target_draft_accepted
         # wall times as the loop paid them (in the service they include the deployment hops)
         if not plan.prefill and plan.draft_batch.steps and verify.steps > 1:
-            self.cost.lookups.observe(len(seqs), bool(plan.draft_batch.lookup) and any(plan.draft_batch.lookup),
-                                      target_time / verify.steps)
+            on = bool(plan.draft_batch.lookup) and any(plan.draft_batch.lookup)
+            self.cost.lookups.observe(len(seqs), on, target_time / verify.steps,
+                                      self._full_rows(plan, verify) if on and verify.lookup_rows else None)
         if not plan.prefill:  # a prompt's prefill would inflate the per-step costs
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,
                               target_time / verify.steps, len(seqs))  # t(B, K): per target forward

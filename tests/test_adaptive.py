@@ -402,7 +402,28 @@ def test_lookup_gate_measures_both_sides_then_weighs_gain_against_cost():
     assert [g.use(8, sampled) for _ in range(8)] == [False] * 7 + [True]  # round 16 takes the other side
     assert g.gated == 11
     assert g.use(1, sampled)  # another bucket: its own measurements
-    assert g.to_dict() == {"cost": {8: 1.4}, "rounds": 17, "rounds_without": 11}  # /stats
+    assert g.to_dict() == {"cost": {8: 1.4}, "straggle": {}, "rounds": 17, "rounds_without": 11}  # /stats
+
+
+def test_lookup_gate_weighs_the_rows_that_finish_last():
+    """A round with lookups lasts as long as its slowest row: the gate compares the rows' gain with
+    the measured cost times `straggle`, a lookup round's forwards over its rows' mean forwards. With
+    the same gain and cost, rows that finish unevenly turn lookups off; rows that finish together
+    keep them (fake trace)."""
+    from specdec.adaptive import LookupGate
+    even, uneven = LookupGate(remeasure_every=1000, min_samples=2), LookupGate(remeasure_every=1000, min_samples=2)
+    for g, forwards in ((even, [6, 6, 6, 6]), (uneven, [4, 5, 6, 9])):
+        for _ in range(3):
+            g.use(4, [0.5] * 4)
+            g.observe(4, True, 0.120, forwards)
+            g.use(4, [0.5] * 4)
+            g.observe(4, False, 0.100)
+    assert even.cost(4) == uneven.cost(4) == pytest.approx(1.2)
+    assert even.to_dict()["straggle"] == {4: 1.0} and uneven.to_dict()["straggle"] == {4: 1.5}
+    assert even.use(4, [0.5] * 4)  # 1.5 tokens per forward for 1.2x the time
+    assert not uneven.use(4, [0.5] * 4)  # the round runs 1.5x its rows' mean forwards: 1.5 < 1.8
+    assert uneven.use(4, [0.9] * 4)  # 1.9 pays for 1.8
+
 
 
 def test_lookup_gain_leans_on_the_workload_until_a_row_has_its_own():
