@@ -311,7 +311,8 @@ class LookupGate:
     fewer rows cost nearly as much). So the per-forward comparison also weighs `straggle`, the
     measured ratio of a lookup round's forwards to its rows' mean forwards (slow EMA per bucket):
     a round with lookups pays when (1 + gain) > cost * straggle. Without it, lanes of 4 sampled rows
-    at T = 1.0 kept lookups in most rounds at 0.91-0.96x of plain decoding through HTTP.
+    at T = 1.0 kept lookups in most rounds at 0.91-0.96x of plain decoding through HTTP; with it,
+    in 2-4 of ~32 (the lanes still measured 0.91-0.97x: BENCHMARKS.md).
     """
 
     def __init__(self, ema: float = 0.1, remeasure_every: int = 16, min_samples: int = 3, prior_gain: float = 0.5,

@@ -67,6 +67,10 @@ class SpecBatch(Wire):
     def max_draft(self) -> int:
         return max(self.num_draft, default=0)
 
+    def row_budget(self, i: int) -> int:
+        """Tokens row i may emit in this multi-step round (`budget`, else one per step)."""
+        return self.budget[i] if self.budget else self.steps[i]
+
     def with_side(self, offsets: list[int], new_tokens: list[list[int]], **kw) -> "SpecBatch":
         return replace(self, offsets=offsets, new_tokens=new_tokens, **kw)
 

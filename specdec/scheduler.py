@@ -281,9 +281,9 @@ class Scheduler:
         token budget and did not stop at a stop token: where they differ, lookups made them differ
         (LookupGate.straggle)."""
         b = plan.draft_batch
-        full = max(b.budget) if b.budget else max(b.steps)
-        return [f for i, ((f, _), s) in enumerate(zip(verify.lookup_rows, plan.seqs))
-                if f and (b.budget[i] if b.budget else b.steps[i]) == full and s.finish_reason != FINISH_STOP]
+        budgets = [b.row_budget(i) for i in range(len(b))]
+        return [f for (f, _), s, n in zip(verify.lookup_rows, plan.seqs, budgets)
+                if f and n == max(budgets) and s.finish_reason != FINISH_STOP]
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs

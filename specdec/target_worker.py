@@ -150,7 +150,7 @@ class TargetWorker:
                     f, h = lookups[i]
                     lookups[i] = (f + 1, h + out.num_accepted[i] - before[i])
             j += 1
-            go = [(i, st) for i, st in go if j < batch.steps[i] and len(out.tokens[i]) < self._budget(batch, i)
+            go = [(i, st) for i, st in go if j < batch.steps[i] and len(out.tokens[i]) < batch.row_budget(i)
                   and not any(t in batch.stop_ids[i] for t in out.tokens[i])]
         out.steps = j
 
@@ -251,7 +251,7 @@ class TargetWorker:
         what the row may still emit this round and its cache's room."""
         if not batch.lookup or not batch.lookup[i]:
             return 0
-        return min(batch.lookup[i], self._budget(batch, i) - emitted - 1, self.max_model_len - len(st.tokens))
+        return min(batch.lookup[i], batch.row_budget(i) - emitted - 1, self.max_model_len - len(st.tokens))
 
     def _fill(self, states: list, drafts: list[list[int]], sizes: list[int]) -> list[list[int]]:
         """The step's forward computes K + 1 positions for every row anyway (padding): rows whose
@@ -265,11 +265,6 @@ class TargetWorker:
         """[2, <= n]: accept tests and draws of row i's tokens e .. e+n-1 of a multi-step round (one
         column per token: never one uniform for two positions)."""
         return batch.uniforms[i, 1:, e: e + n]
-
-    @staticmethod
-    def _budget(batch: SpecBatch, i: int) -> int:
-        """Tokens row i may emit in this multi-step round."""
-        return batch.budget[i] if batch.budget else batch.steps[i]
 
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
               probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None,
