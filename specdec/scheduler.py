@@ -282,8 +282,9 @@ class Scheduler:
         (LookupGate.straggle)."""
         b = plan.draft_batch
         budgets = [b.row_budget(i) for i in range(len(b))]
+        full = max(budgets)
         return [f for (f, _), s, n in zip(verify.lookup_rows, plan.seqs, budgets)
-                if f and n == max(budgets) and s.finish_reason != FINISH_STOP]
+                if f and n == full and s.finish_reason != FINISH_STOP]
 
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs

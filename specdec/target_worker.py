@@ -155,7 +155,7 @@ class TargetWorker:
         out.steps = j
 
     def _step_drafts(self, batch: SpecBatch, go: list, rooms: list[int], emitted: list[int]
-                     ) -> tuple[list[list[int]], list[int], list[torch.Tensor | None] | None]:
+                     ) -> tuple[list[list[int]], list[int], list[torch.Tensor | RaceNoise | None] | None]:
         """Each row's tokens to verify in this step of a multi-step round, which rows (indices into
         `go`) the drafter drafted, and per row the race noise of its chain's positions (or None):
         lookups (`lookup_draft`), except that with a drafter, a row whose own context repeats
@@ -195,7 +195,7 @@ class TargetWorker:
         return race_noise(u, self.vocab_size) if tmap is None else race_noise_over(u, self.vocab_size, tmap)
 
     def _draft_chains(self, batch: SpecBatch, go: list, ks: list[int],
-                      noise: list[torch.Tensor | None]) -> list[list[int]]:
+                      noise: list[torch.Tensor | RaceNoise | None]) -> list[list[int]]:
         """The drafter's chains for rows `go` ((batch index, slot state)), up to ks[r] tokens: greedy,
         or raced with noise[r] at the row's temperature, top-k and top-p. The drafter is sent the
         confirmed tokens and features it lacks, as a Draft replica would be."""
@@ -268,7 +268,7 @@ class TargetWorker:
 
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
               probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None,
-              coupled: bool = False, race: list[torch.Tensor | None] | None = None) -> None:
+              coupled: bool = False, race: list[torch.Tensor | RaceNoise | None] | None = None) -> None:
         """One target forward over `rows` (batch indices; their slot states, drafts) and the
         rejection sampler with `uniforms` ([b, 2, K+1]: accept tests, recovered/bonus draws;
         `coupled`, `race`: see `rejection_sample`); appends to `out`.
