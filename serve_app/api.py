@@ -6,8 +6,8 @@ GET /health, GET /stats (the router's speculation statistics). Every error is Op
 body with a 4xx/5xx status; overload answers 503 with Retry-After. Bodies are read up to
 `api.max_body_bytes` (413 beyond). Optional Bearer-token auth compares keys in constant time
 (keys from SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE or the file `api.api_keys_file`).
-Request logs carry ids, sizes and timings, never prompts or keys (SPECDEC_DEBUG_LOG_PROMPTS=1
-adds prompts for debugging).
+Serve's access log has one line per request (method, route, status, latency); no log holds prompts
+or keys (SPECDEC_DEBUG_LOG_PROMPTS=1 adds prompts for debugging).
 """
 # No `from __future__ import annotations` here: FastAPI reads the routes' annotations after Serve
 # rewrites their signatures, outside this module's globals, so they must be real objects.
@@ -16,14 +16,13 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import time
 from typing import AsyncIterator
 
 from openai.types import CompletionUsage
 from fastapi import FastAPI
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import tracing
@@ -89,41 +88,11 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     return _error(APIError(str(e.detail), status=e.status_code))
 
 
-class _LogAndContain:
-    """ASGI middleware: one log line per request when its response ends (ids and timings, never
-    prompts), and a 500 in OpenAI's format for anything unexpected, so one request never takes
-    the replica down. Plain ASGI, so streamed responses pass through untouched."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0, status, started = time.perf_counter(), 500, False
-
-        async def tracked(message) -> None:
-            nonlocal status, started
-            if message["type"] == "http.response.start":
-                status, started = message["status"], True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except (ClientDisconnect, asyncio.CancelledError):
-            status = 499
-            raise
-        except Exception:  # noqa: BLE001
-            log.exception("unhandled error on %s", _route_path(scope))
-            if started:
-                raise
-            await JSONResponse(APIError.internal().body(), status_code=500)(scope, receive, send)
-        finally:
-            log.info("%s %s -> %s in %.1f ms", scope.get("method"), _route_path(scope), status,
-                     (time.perf_counter() - t0) * 1e3)
-
-
-app.add_middleware(_LogAndContain)
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    """Anything unexpected: a 500 in OpenAI's format (Starlette's ServerErrorMiddleware sends it,
+    then re-raises, so Serve logs the traceback and counts the error; the replica stays up)."""
+    return _error(APIError.internal())
 
 
 def _direct(handle):

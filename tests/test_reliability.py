@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -251,9 +252,39 @@ def test_request_logs_hold_neither_prompts_nor_keys(app):
         data = p.read_bytes()
         offenders += [f"{p}: {n.decode()!r}" for n in needles if n in data]
     assert not offenders, offenders
-    # ... while the request itself was logged (method, path, status, time)
+    # ... while the request itself was logged (method, path, status, time: Serve's access log)
     router_logs = b"".join(p.read_bytes() for p in serve_logs if p.is_file() and "Router" in p.name)
-    assert b"POST /v1/completions -> 200" in router_logs
+    assert re.search(rb"POST /%s/v1/completions 200 \d+\.\dms" % APP.encode(), router_logs)
+
+
+def test_unexpected_error_is_an_openai_500_and_the_replica_stays_up(ray_cluster):
+    """The ingress's handlers (serve_app.api.app) on a route that raises: OpenAI's 500, then the
+    same replica answers again."""
+    from fastapi import FastAPI
+    from ray import serve
+
+    from serve_app.api import app as ingress_app
+
+    boom = FastAPI(exception_handlers=ingress_app.exception_handlers)
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.01})
+    @serve.ingress(boom)
+    class Boom:
+        @boom.get("/fail")
+        async def fail(self):
+            raise RuntimeError("unexpected")
+
+        @boom.get("/ok")
+        async def ok(self):
+            return {"ok": True}
+
+    serve.run(Boom.bind(), name="boom", route_prefix="/boom")
+    try:
+        for _ in range(2):
+            _check_error(httpx.get(f"{ray_cluster}/boom/fail", timeout=60), 500, code="internal_error")
+            assert httpx.get(f"{ray_cluster}/boom/ok", timeout=60).json() == {"ok": True}
+    finally:
+        serve.delete("boom")
 
 
 @pytest.mark.asyncio
