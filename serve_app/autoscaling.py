@@ -13,14 +13,8 @@ sized for a target utilization with hysteresis:
 the next tick scales up again. No data holds the current count; results are clamped to the
 context's capacity-adjusted min/max.
 
-* `RouterPolicy`: ongoing (running + queued) sequences per router replica.
-* `TargetPolicy`: generated tokens/s and active sequences per replica.
-* `DraftPolicy`: proposals/s. When acceptance collapses the router's adaptive scheduler stops
-  drafting, demand falls and draft replicas are released; they return with acceptance.
-* `AppPolicy` (application level, one decision for all three): the target's capacity scales with
-  the tokens one forward yields at the router's current acceptance, the router's *requested*
-  draft tokens/s sizes the draft, and acceptance below `acceptance_low` (until above
-  `acceptance_high`) keeps drafts at `draft_floor_while_serving`.
+`RouterPolicy`, `TargetPolicy` and `DraftPolicy` decide one deployment each; `AppPolicy` decides
+all three at once (an application-level policy).
 
 Ray 2.60 (ray/serve/_private/autoscaling_state.py) instantiates a policy class once as
 `Class(**policy_kwargs)` (any `AutoscalingParams` field) and calls the instance every tick
@@ -37,23 +31,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.metrics import (  # noqa: F401  (re-exported: the stats-key contract)
-    DRAFT_BUSY_FRACTION,
-    DRAFT_TOKENS_PER_S,
-    ROUTER_ACCEPTANCE_RATE,
-    ROUTER_DRAFT_TOKENS_PER_S,
-    ROUTER_ONGOING_REQUESTS,
-    ROUTER_QUEUED_REQUESTS,
-    ROUTER_SPECULATING_FRACTION,
-    ROUTER_TOKENS_PER_S,
-    TARGET_ACTIVE_SEQUENCES,
-    TARGET_BUSY_FRACTION,
-    TARGET_TOKENS_PER_S,
-)
+    DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, ROUTER_ACCEPTANCE_RATE, ROUTER_DRAFT_TOKENS_PER_S, ROUTER_ONGOING_REQUESTS,
+    ROUTER_QUEUED_REQUESTS, ROUTER_SPECULATING_FRACTION, ROUTER_TOKENS_PER_S, TARGET_ACTIVE_SEQUENCES,
+    TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S)
 from specdec.adaptive import expected_tokens
 
 if TYPE_CHECKING:
@@ -74,14 +59,12 @@ class AutoscalingParams(BaseModel):
     target_sequences_per_replica: float = Field(
         16.0, gt=0, description="Concurrent sequences one Target replica serves well (its KV slots "
         "/ max batch); sequences beyond this count as extra load.")
-    draft_tokens_per_s: float = Field(
-        400.0, gt=0, description="Draft tokens/s one Draft replica can propose.")
+    draft_tokens_per_s: float = Field(400.0, gt=0, description="Draft tokens/s one Draft replica can propose.")
     router_ongoing_per_replica: float = Field(
         32.0, gt=0, description="Running + queued sequences one Router replica handles well.")
     target_utilization: float = Field(
         0.7, gt=0, le=1, description="Utilization that scaling aims for: desired = ceil(units / this).")
-    upscale_utilization: float = Field(
-        0.85, gt=0, description="Scale up when load per current replica exceeds this.")
+    upscale_utilization: float = Field(0.85, gt=0, description="Scale up when load per current replica exceeds this.")
     downscale_utilization: float = Field(
         0.5, ge=0, description="Scale down only when load per current replica is below this ...")
     downscale_delay_s: float = Field(
@@ -94,23 +77,21 @@ class AutoscalingParams(BaseModel):
         False, description="Also count the sum of replicas' busy_fraction as load. Off by default: "
         "with synchronous rounds a replica is busy whenever any sequence runs, even at batch 1.")
     acceptance_low: float = Field(
-        0.2, ge=0, le=1, description="app_policy: router acceptance below this marks speculation "
+        0.2, ge=0, le=1, description="AppPolicy: router acceptance below this marks speculation "
         "collapsed (draft replicas released).")
-    acceptance_high: float = Field(
-        0.35, ge=0, le=1, description="app_policy: acceptance above this ends a collapse.")
+    acceptance_high: float = Field(0.35, ge=0, le=1, description="AppPolicy: acceptance above this ends a collapse.")
     reference_acceptance: float = Field(
         0.6, ge=0, lt=1, description="Acceptance at which target_tokens_per_s was measured.")
-    reference_k: int = Field(
-        4, ge=1, description="Typical draft length, for the expected tokens per target forward.")
+    reference_k: int = Field(4, ge=1, description="Typical draft length, for the expected tokens per target forward.")
     acceptance_aware_capacity: bool = Field(
-        True, description="app_policy: scale the target's capacity by tokens per forward at the "
+        True, description="AppPolicy: scale the target's capacity by tokens per forward at the "
         "current acceptance relative to the reference.")
     draft_floor_while_serving: int = Field(
-        1, ge=0, description="app_policy: draft replicas kept while the router has traffic, even "
+        1, ge=0, description="AppPolicy: draft replicas kept while the router has traffic, even "
         "when speculation collapsed, so probing rounds can detect recovery.")
-    router_deployment: str = Field("Router", description="Router deployment name (app_policy).")
-    target_deployment: str = Field("Target", description="Target deployment name (app_policy).")
-    draft_deployment: str = Field("Draft", description="Draft deployment name (app_policy).")
+    router_deployment: str = Field("Router", description="Router deployment name (AppPolicy).")
+    target_deployment: str = Field("Target", description="Target deployment name (AppPolicy).")
+    draft_deployment: str = Field("Draft", description="Draft deployment name (AppPolicy).")
 
     @model_validator(mode="after")
     def _ordered(self) -> "AutoscalingParams":
@@ -124,13 +105,8 @@ class AutoscalingParams(BaseModel):
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoscalingParams":
         """Defaults, overridden by SPECDEC_AUTOSCALING_<FIELD> env vars, then by `overrides`."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name in cls.model_fields:
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is not None and raw != "":
-                values[name] = raw
-        values.update(overrides)
-        return cls(**values)
+        values = {name: env[key] for name in cls.model_fields if env.get(key := ENV_PREFIX + name.upper())}
+        return cls(**{**values, **overrides})
 
 
 DEFAULT_PARAMS = AutoscalingParams.from_env()
@@ -142,11 +118,8 @@ DEFAULT_PARAMS = AutoscalingParams.from_env()
 
 def _metric(ctx: "AutoscalingContext", key: str) -> list[float] | None:
     """Per-replica values of a custom stat, or None when no running replica reported it."""
-    metrics = ctx.aggregated_metrics or {}
-    per_replica = metrics.get(key)
-    if not per_replica:
-        return None
-    return [float(v) for v in per_replica.values()]
+    per_replica = (ctx.aggregated_metrics or {}).get(key)
+    return [float(v) for v in per_replica.values()] if per_replica else None
 
 
 def _sum(ctx: "AutoscalingContext", key: str) -> float | None:
@@ -156,10 +129,6 @@ def _sum(ctx: "AutoscalingContext", key: str) -> float | None:
 
 def _clamp(n: int, ctx: "AutoscalingContext") -> int:
     return max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, int(n)))
-
-
-def _now(ctx: "AutoscalingContext") -> float:
-    return ctx.current_time if ctx.current_time is not None else time.time()
 
 
 def expected_tokens_per_forward(acceptance: float, k: int, speculating_fraction: float = 1.0) -> float:
@@ -178,31 +147,19 @@ def decide(ctx: "AutoscalingContext", units: float | None, p: AutoscalingParams,
     """
     base = ctx.target_num_replicas
     low_since_k, low_base_k = f"{_STATE}{key}.low_since", f"{_STATE}{key}.low_base"
-    if units is None:
-        state.pop(low_since_k, None)
-        return _clamp(base, ctx)
-    now = _now(ctx)
-    units = max(0.0, units)
-    desired = max(math.ceil(units / p.target_utilization - 1e-9), floor)
-    if base <= 0:  # scaling from zero: no hysteresis
-        state.pop(low_since_k, None)
-        return _clamp(desired, ctx)
-    u = units / base
-    if desired > base and (u > p.upscale_utilization or floor > base):
-        state.pop(low_since_k, None)
-        last_up = ctx.last_scale_up_time
-        if last_up is not None and now - last_up < p.upscale_cooldown_s:
-            return _clamp(base, ctx)
-        return _clamp(desired, ctx)
-    if desired < base and u < p.downscale_utilization:
-        since = state.get(low_since_k)
-        if since is None or state.get(low_base_k) != base:
+    now = ctx.current_time if ctx.current_time is not None else time.time()
+    units = None if units is None else max(0.0, units)
+    desired = base if units is None else max(math.ceil(units / p.target_utilization - 1e-9), floor)
+    if base > 0 and desired < base and units / base < p.downscale_utilization:
+        if state.get(low_since_k) is None or state.get(low_base_k) != base:  # low from now on
             state[low_since_k], state[low_base_k] = now, base
-            since = now
-        if now - since >= p.downscale_delay_s:
-            return _clamp(desired, ctx)
-        return _clamp(base, ctx)
+        return _clamp(desired if now - state[low_since_k] >= p.downscale_delay_s else base, ctx)
     state.pop(low_since_k, None)
+    if base <= 0:  # scaling from zero: no hysteresis
+        return _clamp(desired, ctx)
+    if desired > base and (units / base > p.upscale_utilization or floor > base):
+        cooling = ctx.last_scale_up_time is not None and now - ctx.last_scale_up_time < p.upscale_cooldown_s
+        return _clamp(base if cooling else desired, ctx)
     return _clamp(base, ctx)
 
 
@@ -220,19 +177,14 @@ def _router_units(ctx: "AutoscalingContext", p: AutoscalingParams) -> float | No
 
 def _target_units(ctx: "AutoscalingContext", p: AutoscalingParams, extra_sequences: float = 0.0,
                   tokens_per_s: float | None = None, capacity_scale: float = 1.0) -> float | None:
-    tps = _sum(ctx, TARGET_TOKENS_PER_S)
-    if tokens_per_s is not None:
-        tps = tokens_per_s if tps is None else max(tps, tokens_per_s)
+    tps = _max_units(_sum(ctx, TARGET_TOKENS_PER_S), tokens_per_s)  # (the routers' rate arrives as tokens_per_s)
     active = _sum(ctx, TARGET_ACTIVE_SEQUENCES)
     seqs = None
     if active is not None or extra_sequences:  # (the routers' queues arrive as extra_sequences)
         seqs = max(active or 0.0, extra_sequences)
     busy = _sum(ctx, TARGET_BUSY_FRACTION) if p.scale_on_busy else None
-    return _max_units(
-        None if tps is None else tps / (p.target_tokens_per_s * capacity_scale),
-        None if seqs is None else seqs / p.target_sequences_per_replica,
-        busy,
-    )
+    return _max_units(None if tps is None else tps / (p.target_tokens_per_s * capacity_scale),
+                      None if seqs is None else seqs / p.target_sequences_per_replica, busy)
 
 
 def _draft_units(ctx: "AutoscalingContext", p: AutoscalingParams,
@@ -253,41 +205,35 @@ class _Policy:
 
 
 class _DeploymentPolicy(_Policy):
-    key = ""
+    """One deployment's policy: `units(ctx, params)` is its load in replica-units; `key`
+    namespaces its timers in policy_state."""
 
-    def units(self, ctx: "AutoscalingContext") -> float | None:
-        raise NotImplementedError
+    key: str
+    units: Callable[["AutoscalingContext", AutoscalingParams], float | None]
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
         state = dict(ctx.policy_state or {})
-        return decide(ctx, self.units(ctx), self.params, state, self.key), state
+        return decide(ctx, self.units(ctx, self.params), self.params, state, self.key), state
 
 
 class RouterPolicy(_DeploymentPolicy):
     """Router: ongoing (running + queued) sequences per replica vs router_ongoing_per_replica."""
 
-    key = "router"
-
-    def units(self, ctx):
-        return _router_units(ctx, self.params)
+    key, units = "router", staticmethod(_router_units)
 
 
 class TargetPolicy(_DeploymentPolicy):
-    """Target: tokens/s vs target_tokens_per_s and active sequences vs slots."""
+    """Target: generated tokens/s vs target_tokens_per_s and active sequences vs slots."""
 
-    key = "target"
-
-    def units(self, ctx):
-        return _target_units(ctx, self.params)
+    key, units = "target", staticmethod(_target_units)
 
 
 class DraftPolicy(_DeploymentPolicy):
-    """Draft: proposed tokens/s vs draft_tokens_per_s (falls when speculation turns itself down)."""
+    """Draft: proposed tokens/s vs draft_tokens_per_s. When acceptance collapses the router's
+    adaptive scheduler stops drafting, demand falls and draft replicas are released; they return
+    with acceptance."""
 
-    key = "draft"
-
-    def units(self, ctx):
-        return _draft_units(ctx, self.params)
+    key, units = "draft", staticmethod(_draft_units)
 
 
 def _weighted_mean(values: list[float] | None, weights: list[float] | None) -> float | None:
@@ -299,71 +245,57 @@ def _weighted_mean(values: list[float] | None, weights: list[float] | None) -> f
 
 
 class AppPolicy(_Policy):
-    """One decision for Router, Target and Draft from the router's queue and acceptance."""
-
-    def __call__(self, contexts: dict[Any, "AutoscalingContext"]) -> tuple[dict[Any, int], dict[Any, dict]]:
-        return _app_decisions(contexts, self.params)
-
-
-def _app_decisions(contexts: dict[Any, "AutoscalingContext"], p: AutoscalingParams) -> tuple[dict[Any, int], dict[Any, dict]]:
-    """One decision for Router, Target and Draft from the router's queue and acceptance.
+    """One decision for Router, Target and Draft from the router's queue and acceptance: the
+    target's capacity scales with the tokens one forward yields at the router's current
+    acceptance, the router's *requested* draft tokens/s sizes the draft, and acceptance below
+    `acceptance_low` (until above `acceptance_high`) keeps drafts at `draft_floor_while_serving`.
 
     Deployments are recognized by name (params.*_deployment); others are left out of the
     decisions (Ray then keeps their replica count and state).
     """
-    by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
-    states = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
-    decisions: dict[Any, int] = {}
 
-    router = by_name.get(p.router_deployment)
-    r_ctx = router[1] if router else None
-    ongoing = r_tps = acceptance = spec_frac = draft_req = None
-    if r_ctx is not None:
-        ongoing = _sum(r_ctx, ROUTER_ONGOING_REQUESTS)
-        r_tps = _sum(r_ctx, ROUTER_TOKENS_PER_S)
-        draft_req = _sum(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)
-        weights = _metric(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)
-        acceptance = _weighted_mean(_metric(r_ctx, ROUTER_ACCEPTANCE_RATE), weights)
-        spec_frac = _weighted_mean(_metric(r_ctx, ROUTER_SPECULATING_FRACTION),
-                                   _metric(r_ctx, ROUTER_ONGOING_REQUESTS))
-        dep_id = router[0]
-        decisions[dep_id] = decide(r_ctx, _router_units(r_ctx, p), p, states[dep_id], "router")
+    def __call__(self, contexts: dict[Any, "AutoscalingContext"]) -> tuple[dict[Any, int], dict[Any, dict]]:
+        p = self.params
+        by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        states = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
+        decisions: dict[Any, int] = {}
 
-    # Speculation collapse, with hysteresis; judged only while drafts are being requested.
-    collapsed_key = f"{_STATE}acceptance_collapsed"
-    collapsed = bool(states[router[0]].get(collapsed_key, False)) if router else False
-    if acceptance is not None and (draft_req or 0.0) > 0:
-        if acceptance < p.acceptance_low:
-            collapsed = True
-        elif acceptance > p.acceptance_high:
-            collapsed = False
-    if router:
-        states[router[0]][collapsed_key] = collapsed
+        r_id, r_ctx = by_name.get(p.router_deployment, (None, None))
+        ongoing = r_tps = acceptance = spec_frac = draft_req = None
+        collapsed = False
+        if r_ctx is not None:
+            ongoing = _sum(r_ctx, ROUTER_ONGOING_REQUESTS)
+            r_tps = _sum(r_ctx, ROUTER_TOKENS_PER_S)
+            draft_req = _sum(r_ctx, ROUTER_DRAFT_TOKENS_PER_S)
+            acceptance = _weighted_mean(_metric(r_ctx, ROUTER_ACCEPTANCE_RATE),
+                                        _metric(r_ctx, ROUTER_DRAFT_TOKENS_PER_S))
+            spec_frac = _weighted_mean(_metric(r_ctx, ROUTER_SPECULATING_FRACTION),
+                                       _metric(r_ctx, ROUTER_ONGOING_REQUESTS))
+            decisions[r_id] = decide(r_ctx, _router_units(r_ctx, p), p, states[r_id], "router")
+            # Speculation collapse, with hysteresis; judged only while drafts are being requested.
+            collapsed = bool(states[r_id].get(f"{_STATE}acceptance_collapsed", False))
+            if acceptance is not None and (draft_req or 0.0) > 0:
+                collapsed = acceptance < p.acceptance_low or (collapsed and acceptance <= p.acceptance_high)
+            states[r_id][f"{_STATE}acceptance_collapsed"] = collapsed
 
-    target = by_name.get(p.target_deployment)
-    if target:
-        dep_id, t_ctx = target
-        scale = 1.0
-        if p.acceptance_aware_capacity and acceptance is not None and spec_frac is not None:
-            now_len = expected_tokens_per_forward(acceptance, p.reference_k, spec_frac)
-            ref_len = expected_tokens_per_forward(p.reference_acceptance, p.reference_k, 1.0)
-            scale = now_len / ref_len
-        units = _target_units(t_ctx, p, extra_sequences=ongoing or 0.0, tokens_per_s=r_tps,
-                              capacity_scale=scale)
-        decisions[dep_id] = decide(t_ctx, units, p, states[dep_id], "target")
+        t_id, t_ctx = by_name.get(p.target_deployment, (None, None))
+        if t_ctx is not None:
+            scale = 1.0
+            if p.acceptance_aware_capacity and acceptance is not None and spec_frac is not None:
+                scale = (expected_tokens_per_forward(acceptance, p.reference_k, spec_frac)
+                         / expected_tokens_per_forward(p.reference_acceptance, p.reference_k, 1.0))
+            units = _target_units(t_ctx, p, extra_sequences=ongoing or 0.0, tokens_per_s=r_tps,
+                                  capacity_scale=scale)
+            decisions[t_id] = decide(t_ctx, units, p, states[t_id], "target")
 
-    draft = by_name.get(p.draft_deployment)
-    if draft:
-        dep_id, d_ctx = draft
-        serving = (ongoing or 0.0) > 0 or (r_ctx is not None and (r_ctx.total_num_requests or 0) > 0)
-        floor = min(p.draft_floor_while_serving, d_ctx.capacity_adjusted_max_replicas) if serving else 0
-        if collapsed:
-            units: float | None = 0.0
-        else:
-            units = _draft_units(d_ctx, p, requested_tokens_per_s=draft_req)
-        decisions[dep_id] = decide(d_ctx, units, p, states[dep_id], "draft", floor=floor)
+        d_id, d_ctx = by_name.get(p.draft_deployment, (None, None))
+        if d_ctx is not None:
+            serving = (ongoing or 0.0) > 0 or (r_ctx is not None and (r_ctx.total_num_requests or 0) > 0)
+            floor = min(p.draft_floor_while_serving, d_ctx.capacity_adjusted_max_replicas) if serving else 0
+            units = 0.0 if collapsed else _draft_units(d_ctx, p, requested_tokens_per_s=draft_req)
+            decisions[d_id] = decide(d_ctx, units, p, states[d_id], "draft", floor=floor)
 
-    return decisions, states
+        return decisions, states
 
 
 # ---------------------------------------------------------------------------------------------
