@@ -8,17 +8,12 @@ knows about Ray, HTTP frameworks or the engine's internals.
 - `responses`: responses, stream chunks, usage and model cards built from `openai.types`,
   `wire()` (what is sent), `sse()` / `SSE_DONE` (stream framing).
 """
-from serve_app.protocol.errors import APIError, validation_error_to_api_error
-from serve_app.protocol.requests import (MAX_STOP_TOKEN_IDS, AnyRequest, ChatCompletionRequest, ChatMessage,
-                                         CompletionRequest, StreamOptions, TextContentPart, parse_request,
-                                         to_sampling_params, validate_limits)
-from serve_app.protocol.responses import (SSE_DONE, ChatResponses, CompletionResponses, FinishReason,
-                                          SpeculativeUsage, model_list, now, sse, usage, wire)
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.requests import (ChatCompletionRequest, CompletionRequest, parse_request, to_sampling_params,
+                                         validate_limits)
+from serve_app.protocol.responses import (SSE_DONE, ChatResponses, CompletionResponses, SpeculativeUsage, model_list,
+                                          sse, usage, wire)
 
-__all__ = [
-    "APIError", "validation_error_to_api_error",
-    "MAX_STOP_TOKEN_IDS", "AnyRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-    "StreamOptions", "TextContentPart", "parse_request", "to_sampling_params", "validate_limits",
-    "SSE_DONE", "ChatResponses", "CompletionResponses", "FinishReason", "SpeculativeUsage", "model_list",
-    "now", "sse", "usage", "wire",
-]
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "parse_request", "to_sampling_params",
+           "validate_limits", "SSE_DONE", "ChatResponses", "CompletionResponses", "SpeculativeUsage", "model_list",
+           "sse", "usage", "wire"]

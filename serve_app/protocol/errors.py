@@ -13,11 +13,6 @@ from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
 
-def _default_error_type(status: int) -> str:
-    """OpenAI's error `type` for a status: client errors are invalid requests, the rest server."""
-    return "server_error" if status >= 500 or status == 429 else "invalid_request_error"
-
-
 class APIError(Exception):
     """An error to return to the client as `{"error": {message, type, param, code}}`.
 
@@ -38,7 +33,7 @@ class APIError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
-        self.type = type or _default_error_type(status)
+        self.type = type or ("server_error" if status >= 500 or status == 429 else "invalid_request_error")
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
@@ -77,16 +72,10 @@ class APIError(Exception):
         return cls(message, status=500, code="internal_error")
 
 
-def _invalid(message: str, **ctx: Any) -> PydanticCustomError:
-    """A validation error with a ready-made message (ctx `field` names a sub-parameter)."""
-    return PydanticCustomError("invalid_value", "{message}", {"message": message, **ctx})
-
-
-def _unsupported(name: str, accepted: str) -> PydanticCustomError:
-    """A validation error for an OpenAI parameter this server does not implement."""
-    message = (f"The '{name}' parameter is not supported by this server "
-               f"(only {accepted} is accepted).")
-    return PydanticCustomError("unsupported_parameter", "{message}", {"message": message})
+def _invalid(message: str, kind: str = "invalid_value", **ctx: Any) -> PydanticCustomError:
+    """A validation error with a ready-made message (ctx `field` names a sub-parameter); `kind`
+    "unsupported_parameter" for what this server does not implement."""
+    return PydanticCustomError(kind, "{message}", {"message": message, **ctx})
 
 
 # pydantic adds union-member tags ("str", "list[int]", "TextContentPart") to error locations;

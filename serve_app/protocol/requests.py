@@ -17,9 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, \
     field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from serve_app.protocol.errors import APIError, _invalid, _unsupported, validation_error_to_api_error
+from serve_app.protocol.errors import APIError, _invalid, validation_error_to_api_error
 from specdec.sampling import SamplingParams
 
 _Req = TypeVar("_Req", bound=BaseModel)
@@ -93,7 +92,8 @@ def NotSupported(tp: Any, accepts: Callable[[Any], bool], accepted: str) -> Any:
     naming the parameter and what is `accepted`."""
     def check(value: Any, info: ValidationInfo) -> Any:
         if not accepts(value):
-            raise _unsupported(info.field_name, accepted)
+            raise _invalid(f"The '{info.field_name}' parameter is not supported by this server (only {accepted} is "
+                           "accepted).", kind="unsupported_parameter")
         return value
     return Annotated[tp, AfterValidator(check), Field(description=f"Not supported: only {accepted} is accepted.")]
 
@@ -192,7 +192,7 @@ class _SamplingRequest(_RequestModel):
     @property
     def requested_max_tokens(self) -> int | None:
         """The client's token budget, or None to use the deployment default."""
-        raise NotImplementedError
+        return self.max_tokens
 
     @property
     def max_tokens_param(self) -> str:
@@ -250,10 +250,6 @@ class CompletionRequest(_SamplingRequest):
     def _prompt_shape(cls, value: Any) -> Any:
         return _check_prompt(value)
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids (`_check_prompt`: none empty)."""
         p = self.prompt
@@ -281,9 +277,8 @@ def _check_content(value: Any) -> Any:
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(kind, str) and kind != "text":
-            raise PydanticCustomError("unsupported_parameter", "{message}", {
-                "message": f"Content parts of type '{kind}' are not supported by this server "
-                           "(only 'text').", "field": str(i)})
+            raise _invalid(f"Content parts of type '{kind}' are not supported by this server (only 'text').",
+                           kind="unsupported_parameter", field=str(i))
         if not (isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str)):
             raise _invalid("Invalid content part: expected {\"type\": \"text\", \"text\": "
                            "<string>}.", field=str(i))
@@ -421,20 +416,8 @@ def validate_limits(req: AnyRequest, *, max_n: int, max_stop: int, max_stop_len:
     if req.num_choices > max_n:
         raise APIError(f"Invalid 'n': at most {max_n} choices per prompt are allowed, got "
                        f"{req.num_choices}.", param="n")
-    _validate_stop_limits(req.stop, max_stop, max_stop_len)
-    max_tokens = req.requested_max_tokens
-    if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
-        param = req.max_tokens_param
-        raise APIError(f"Invalid '{param}': must be between 1 and {max_tokens_limit}, got "
-                       f"{max_tokens}.", param=param)
-
-
-def _validate_stop_limits(stop: str | list[str] | None, max_stop: int, max_stop_len: int) -> None:
-    """Stop list non-empty and short enough; each stop string non-empty and short enough."""
-    if stop is None:
-        return
-    stops = [stop] if isinstance(stop, str) else stop
-    if not stops:
+    stops = req.stop_list
+    if req.stop is not None and not stops:
         raise APIError("Invalid 'stop': the array must not be empty.", param="stop")
     if len(stops) > max_stop:
         raise APIError(f"Invalid 'stop': at most {max_stop} stop sequences are allowed, got "
@@ -445,3 +428,9 @@ def _validate_stop_limits(stop: str | list[str] | None, max_stop: int, max_stop_
         if len(s) > max_stop_len:
             raise APIError(f"Invalid 'stop': stop sequences are limited to {max_stop_len} "
                            f"characters, got {len(s)}.", param="stop")
+    max_tokens = req.requested_max_tokens
+    if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
+        param = req.max_tokens_param
+        raise APIError(f"Invalid '{param}': must be between 1 and {max_tokens_limit}, got "
+                       f"{max_tokens}.", param=param)
+

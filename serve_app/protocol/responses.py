@@ -152,13 +152,13 @@ def _pairs(texts: Sequence[str], finish_reasons: Sequence[FinishReason]) -> zip:
     return zip(texts, finish_reasons)
 
 
-def model_list(model_ids: Iterable[str], *, created: int | None = None, owned_by: str = "specdec-serve",
+def model_list(model_ids: Iterable[str], *, created: int | None = None,
                max_model_len: int | None = None) -> dict[str, Any]:
     """GET /v1/models body: `{"object": "list", "data": [Model, ...]}` (the library has no list
     type outside its paginator); `max_model_len` is our extension on each card."""
     created = created or now()
     extra = {"max_model_len": max_model_len} if max_model_len is not None else {}
-    cards = [Model(id=m, object="model", created=created, owned_by=owned_by, **extra) for m in model_ids]
+    cards = [Model(id=m, object="model", created=created, owned_by="specdec-serve", **extra) for m in model_ids]
     return {"object": "list", "data": [wire(c) for c in cards]}
 
 
