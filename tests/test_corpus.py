@@ -86,7 +86,7 @@ def test_worker_refuses_a_corpus_of_a_larger_vocabulary(tiny_dir):
 
 def test_specdec_corpus_reads_answers_at_the_chosen_temperatures(tiny_dir, tmp_path):
     import json
-    from specdec_tools.corpus import main
+    from specdec_tools.make_corpus import main
     rows = [{"prompt": [9, 8, 7, 1, 2], "output": [3, 4, 5], "temperature": 0.0},
             {"prompt": [1, 2], "output": [3, 6], "temperature": 1.0},  # not kept
             {"topic": "a question, no answer"}]
