@@ -44,10 +44,6 @@ def _finish(seq: Sequence) -> str:
     return "length" if seq.finish_reason == "length" else "stop"
 
 
-def _retry_after(e: APIError) -> dict | None:
-    return {"Retry-After": "1"} if e.status in (429, 503) else None
-
-
 def _route_path(scope) -> str:
     """The request path inside the application (its route prefix, Serve's root_path, removed)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
@@ -59,7 +55,9 @@ app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative 
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or _retry_after(e))
+    """OpenAI's error body; a 429 or 503 without a Retry-After of its own gets one of 1 s."""
+    retry = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or retry)
 
 
 @app.exception_handler(APIError)
