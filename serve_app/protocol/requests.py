@@ -115,15 +115,6 @@ class StreamOptions(_RequestModel):
         None, description="Accepted for compatibility; this server never adds obfuscation.")
 
 
-def _check_stop(value: Any) -> Any:
-    """`stop` must be null, a string or an array of strings (limits: `validate_limits`)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise _invalid("Invalid 'stop': expected a string or an array of strings.")
-
-
 class _SamplingRequest(_RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -162,7 +153,12 @@ class _SamplingRequest(_RequestModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, value: Any) -> Any:
-        return _check_stop(value)
+        """`stop` must be null, a string or an array of strings (limits: `validate_limits`)."""
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise _invalid("Invalid 'stop': expected a string or an array of strings.")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -206,32 +202,6 @@ def _is_token_ids(value: Any) -> bool:
             and all(type(t) is int and t >= 0 for t in value))
 
 
-def _check_prompt(value: Any) -> Any:
-    """A prompt is a string, strings, token ids, or lists of token ids; none may be empty."""
-    if isinstance(value, str):
-        if not value:
-            raise _invalid("Invalid 'prompt': the prompt must not be empty.")
-        return value
-    if not isinstance(value, list) or not value:
-        raise _invalid("Invalid 'prompt': expected a non-empty string, array of strings, array "
-                       "of token ids or array of token-id arrays.")
-    if all(isinstance(p, str) for p in value):
-        if not all(value):
-            raise _invalid("Invalid 'prompt': prompts must not be empty strings.")
-        return value
-    if all(type(t) is int for t in value):
-        if not _is_token_ids(value):
-            raise _invalid("Invalid 'prompt': token ids must be non-negative integers.")
-        return value
-    if all(isinstance(p, list) for p in value):
-        if not all(_is_token_ids(p) for p in value):
-            raise _invalid("Invalid 'prompt': each token-id array must be non-empty and hold "
-                           "non-negative integers.")
-        return value
-    raise _invalid("Invalid 'prompt': mixed types; expected a string, array of strings, array "
-                   "of token ids or array of token-id arrays.")
-
-
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions (legacy text completions)."""
 
@@ -248,10 +218,32 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        return _check_prompt(value)
+        """A prompt is a string, strings, token ids, or lists of token ids; none may be empty."""
+        if isinstance(value, str):
+            if not value:
+                raise _invalid("Invalid 'prompt': the prompt must not be empty.")
+            return value
+        if not isinstance(value, list) or not value:
+            raise _invalid("Invalid 'prompt': expected a non-empty string, array of strings, array "
+                           "of token ids or array of token-id arrays.")
+        if all(isinstance(p, str) for p in value):
+            if not all(value):
+                raise _invalid("Invalid 'prompt': prompts must not be empty strings.")
+            return value
+        if all(type(t) is int for t in value):
+            if not _is_token_ids(value):
+                raise _invalid("Invalid 'prompt': token ids must be non-negative integers.")
+            return value
+        if all(isinstance(p, list) for p in value):
+            if not all(_is_token_ids(p) for p in value):
+                raise _invalid("Invalid 'prompt': each token-id array must be non-empty and hold "
+                               "non-negative integers.")
+            return value
+        raise _invalid("Invalid 'prompt': mixed types; expected a string, array of strings, array "
+                       "of token ids or array of token-id arrays.")
 
     def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: a string or a list of token ids (`_check_prompt`: none empty)."""
+        """One entry per prompt: a string or a list of token ids (`_prompt_shape`: none empty)."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -265,24 +257,6 @@ class TextContentPart(_RequestModel):
 
     type: Literal["text"] = Field(description="Always \"text\" (other part types unsupported).")
     text: str = Field(description="The text of this part.")
-
-
-def _check_content(value: Any) -> Any:
-    """Content is null, a string or a non-empty list of text parts; other part types rejected."""
-    if value is None or isinstance(value, str):
-        return value
-    if not isinstance(value, list) or not value:
-        raise _invalid("Invalid 'content': expected a string or a non-empty array of content "
-                       "parts.")
-    for i, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind != "text":
-            raise _invalid(f"Content parts of type '{kind}' are not supported by this server (only 'text').",
-                           kind="unsupported_parameter", field=str(i))
-        if not (isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str)):
-            raise _invalid("Invalid content part: expected {\"type\": \"text\", \"text\": "
-                           "<string>}.", field=str(i))
-    return value
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -307,7 +281,21 @@ class ChatMessage(_RequestModel):
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, value: Any) -> Any:
-        return _check_content(value)
+        """Content is null, a string or a non-empty list of text parts; other part types rejected."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise _invalid("Invalid 'content': expected a string or a non-empty array of content "
+                           "parts.")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise _invalid(f"Content parts of type '{kind}' are not supported by this server (only 'text').",
+                               kind="unsupported_parameter", field=str(i))
+            if not (isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str)):
+                raise _invalid("Invalid content part: expected {\"type\": \"text\", \"text\": "
+                               "<string>}.", field=str(i))
+        return value
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
