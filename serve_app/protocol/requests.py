@@ -4,7 +4,7 @@ limits, and the mapping onto the engine's `SamplingParams`.
 Requests are strict, as OpenAI's are: wrong JSON types are errors (no "1" -> 1 coercion), unknown
 fields are rejected ("Unrecognized request argument supplied: <name>"), and OpenAI parameters this
 server does not implement (logprobs, tools, penalties, ...) are declared once each with
-`NotSupported(type, accepts, accepted)`: they are accepted only at values that change nothing and
+`NotSupported(type, accepted, *values)`: they are accepted only at values that change nothing and
 otherwise rejected with a "not supported" message naming the parameter, never silently ignored.
 Extensions beyond OpenAI: `top_k`, `num_speculative_tokens`, `ignore_eos`, `stop_token_ids`.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, \
@@ -77,33 +76,16 @@ class _RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
-def _is_empty(value: Any) -> bool:
-    """None, False, 0, "" or an empty collection."""
-    return not value
-
-
-def NotSupported(tp: Any, accepts: Callable[[Any], bool], accepted: str) -> Any:  # noqa: N802 - a type
-    """The type of an OpenAI parameter this server does not implement, declared once: values for
-    which `accepts` holds (they change nothing) pass; any other is a "not supported" error
-    naming the parameter and what is `accepted`."""
+def NotSupported(tp: Any, accepted: str, *values: Any) -> Any:  # noqa: N802 - a type
+    """The type of an OpenAI parameter this server does not implement, declared once: null and
+    `values` (they change nothing) pass; any other value is a "not supported" error naming the
+    parameter and what is `accepted`."""
     def check(value: Any, info: ValidationInfo) -> Any:
-        if not accepts(value):
+        if value is not None and value not in values:
             raise _invalid(f"The '{info.field_name}' parameter is not supported by this server (only {accepted} is "
                            "accepted).", kind="unsupported_parameter")
         return value
     return Annotated[tp, AfterValidator(check), Field(description=f"Not supported: only {accepted} is accepted.")]
-
-
-def _is_one(v: Any) -> bool:
-    return v is None or v == 1
-
-
-def _is_none_str(v: Any) -> bool:
-    return v is None or v == "none"
 
 
 class StreamOptions(_RequestModel):
@@ -134,9 +116,9 @@ class _SamplingRequest(_RequestModel):
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = Field(
         None, description="Seed for reproducible sampling (int64).")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
-    presence_penalty: NotSupported(float | None, _is_empty, "0") = None
-    frequency_penalty: NotSupported(float | None, _is_empty, "0") = None
-    logit_bias: NotSupported(dict[str, float] | None, _is_empty, "null or {}") = None
+    presence_penalty: NotSupported(float | None, "0", 0) = None
+    frequency_penalty: NotSupported(float | None, "0", 0) = None
+    logit_bias: NotSupported(dict[str, float] | None, "null or {}", {}) = None
     # --- extensions ---
     top_k: Annotated[int, Field(ge=-1)] | None = Field(
         None, description="Extension: sample from the k most likely tokens; 0, -1 or null = off.")
@@ -210,10 +192,10 @@ class CompletionRequest(_SamplingRequest):
                     "token-id arrays; each element is one prompt.")
     max_tokens: int | None = Field(
         16, description="Tokens to generate per choice; null = deployment default.")
-    logprobs: NotSupported(int | None, _is_none, "null") = None
-    echo: NotSupported(bool | None, _is_empty, "false") = False
-    best_of: NotSupported(int | None, _is_one, "1") = None
-    suffix: NotSupported(str | None, _is_none, "null") = None
+    logprobs: NotSupported(int | None, "null") = None
+    echo: NotSupported(bool | None, "false", False) = False
+    best_of: NotSupported(int | None, "1", 1) = None
+    suffix: NotSupported(str | None, "null") = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -274,9 +256,9 @@ class ChatMessage(_RequestModel):
     tool_call_id: str | None = Field(None, description="For tool messages; accepted, ignored.")
     refusal: str | None = Field(None, description="Echoed assistant refusal; ignored.")
     annotations: list[Any] | None = Field(None, description="Echoed annotations; ignored.")
-    tool_calls: NotSupported(list[Any] | None, _is_empty, "null or []") = None
-    function_call: NotSupported(Any, _is_none, "null") = None
-    audio: NotSupported(Any, _is_none, "null") = None
+    tool_calls: NotSupported(list[Any] | None, "null or []", []) = None
+    function_call: NotSupported(Any, "null") = None
+    audio: NotSupported(Any, "null") = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -325,22 +307,21 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored.")
-    logprobs: NotSupported(bool | None, _is_empty, "false") = False
-    top_logprobs: NotSupported(int | None, _is_none, "null") = None
-    tools: NotSupported(list[Any] | None, _is_empty, "null or []") = None
-    tool_choice: NotSupported(Any, _is_none_str, 'null or "none"') = None
-    functions: NotSupported(list[Any] | None, _is_empty, "null or []") = None
-    function_call: NotSupported(Any, _is_none_str, 'null or "none"') = None
-    response_format: NotSupported(dict[str, Any] | None, lambda v: v is None or v == {"type": "text"},
-                                  '{"type": "text"}') = None
-    audio: NotSupported(Any, _is_none, "null") = None
-    modalities: NotSupported(list[str] | None, lambda v: v is None or v == ["text"], '["text"]') = None
-    store: NotSupported(bool | None, _is_empty, "false") = None
-    service_tier: NotSupported(str | None, lambda v: v in (None, "auto", "default"), '"auto" or "default"') = None
-    reasoning_effort: NotSupported(Any, _is_none, "null") = None
-    verbosity: NotSupported(Any, _is_none, "null") = None
-    prediction: NotSupported(Any, _is_none, "null") = None
-    web_search_options: NotSupported(Any, _is_none, "null") = None
+    logprobs: NotSupported(bool | None, "false", False) = False
+    top_logprobs: NotSupported(int | None, "null") = None
+    tools: NotSupported(list[Any] | None, "null or []", []) = None
+    tool_choice: NotSupported(Any, 'null or "none"', "none") = None
+    functions: NotSupported(list[Any] | None, "null or []", []) = None
+    function_call: NotSupported(Any, 'null or "none"', "none") = None
+    response_format: NotSupported(dict[str, Any] | None, '{"type": "text"}', {"type": "text"}) = None
+    audio: NotSupported(Any, "null") = None
+    modalities: NotSupported(list[str] | None, '["text"]', ["text"]) = None
+    store: NotSupported(bool | None, "false", False) = None
+    service_tier: NotSupported(str | None, '"auto" or "default"', "auto", "default") = None
+    reasoning_effort: NotSupported(Any, "null") = None
+    verbosity: NotSupported(Any, "null") = None
+    prediction: NotSupported(Any, "null") = None
+    web_search_options: NotSupported(Any, "null") = None
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> ChatCompletionRequest:
