@@ -185,8 +185,7 @@ def make_span_processor(cfg: TracingConfig) -> Any:
 
 _lock = threading.Lock()
 _config: TracingConfig | None = None  # the config setup_tracing ran with (None: not yet)
-_provider: Any = None  # the SDK TracerProvider our spans go to (None: tracing off)
-_owns_provider = False
+_provider: Any = None  # the SDK TracerProvider our spans go to (None: tracing off; `_specdec_owned`: ours)
 _serve_processors_made = False  # ray_serve_tracing_exporter ran in this process
 
 
@@ -196,7 +195,7 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
     `cfg` defaults to TracingConfig.from_env(). Returns the SDK TracerProvider in use, or None
     when the exporter is "none".
     """
-    global _config, _provider, _owns_provider
+    global _config, _provider
     cfg = cfg if cfg is not None else TracingConfig.from_env()
     with _lock:
         if _config is not None:
@@ -214,7 +213,7 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
 
         existing = trace.get_tracer_provider()
         if isinstance(existing, TracerProvider) and not getattr(existing, "_specdec_owned", False):
-            provider, _owns_provider = existing, False  # e.g. Ray Serve's: share it
+            provider = existing  # e.g. Ray Serve's: share it
             if not _serve_processors_made:
                 provider.add_span_processor(make_span_processor(cfg))
         else:
@@ -226,7 +225,6 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
             provider = TracerProvider(resource=resource, sampler=sampler)  # None: from OTEL_TRACES_SAMPLER
             provider._specdec_owned = True
             provider.add_span_processor(make_span_processor(cfg))
-            _owns_provider = True
             if isinstance(existing, trace.ProxyTracerProvider):
                 trace.set_tracer_provider(provider)  # so library instrumentation sees it too
         _provider = provider

@@ -22,9 +22,9 @@ def reset_tracing() -> None:
     """Shut down what setup_tracing installed and forget it. (OpenTelemetry sets the *global*
     provider once per process: after a reset a new setup's provider serves deployments.tracing's
     spans but not `opentelemetry.trace.get_tracer()`.)"""
-    if T._provider is not None and T._owns_provider:
+    if getattr(T._provider, "_specdec_owned", False):
         T._provider.shutdown()
-    T._config, T._provider, T._owns_provider, T._memory_exporter = None, None, False, None
+    T._config, T._provider, T._memory_exporter = None, None, None
     tracing.use_tracer(None)
 
 
