@@ -133,24 +133,17 @@ class OpenAIIngress:
     # ---- routes -------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
-        req = parse_request(CompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        prompts = [self._encode_prompt(p) for p in req.prompts()]
-        params = self._prepare(req, prompts, "prompt")
-        return await self._run(request, req, prompts, params, chat=False)
+        req = await self._parse(request, CompletionRequest)
+        return await self._run(request, req, [self._encode_prompt(p) for p in req.prompts()])
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        self._authorize(request)
-        req = parse_request(ChatCompletionRequest, await self._body(request))
-        self._check_model(req.model)
+        req = await self._parse(request, ChatCompletionRequest)
         try:
             ids = encode_chat(self.tokenizer, req.messages_as_dicts())
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-        params = self._prepare(req, [ids], "messages")
-        return await self._run(request, req, [ids], params, chat=True)
+        return await self._run(request, req, [ids])
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -178,6 +171,14 @@ class OpenAIIngress:
         if not ok:
             raise APIError.invalid_api_key()
 
+    async def _parse(self, request: Request, request_cls):
+        """An authorized request's body as `request_cls`, for the model this replica serves."""
+        self._authorize(request)
+        req = parse_request(request_cls, await self._body(request))
+        if req.model != self.cfg.model_name:
+            raise APIError.model_not_found(req.model, served=self.cfg.model_name)
+        return req
+
     async def _body(self, request: Request) -> bytes:
         limit = self.api.max_body_bytes
         too_large = APIError(f"Request body too large: limit is {limit} bytes.", status=413, code="body_too_large")
@@ -193,20 +194,18 @@ class OpenAIIngress:
         return b"".join(chunks)
 
     # ---- generation ------------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.cfg.model_name:
-            raise APIError.model_not_found(model, served=self.cfg.model_name)
-
-    def _prepare(self, req, prompts: list[list[int]], param: str):
+    def _prepare(self, req, prompts: list[list[int]]):
         """Sampling params per choice, after the context-window checks."""
+        completion = isinstance(req, CompletionRequest)
         validate_limits(req, max_n=self.api.max_n, max_stop=self.api.max_stop,
                         max_stop_len=self.api.max_stop_len, max_tokens_limit=self.api.max_tokens_limit)
         longest = max(len(p) for p in prompts)
         room = self.cfg.max_model_len - longest
         if room < 1:
-            raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; "
-                           f"the prompt has {longest}.", param=param, code="context_length_exceeded")
-        default = 16 if isinstance(req, CompletionRequest) else self.api.default_max_tokens
+            raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; the prompt "
+                           f"has {longest}.", param="prompt" if completion else "messages",
+                           code="context_length_exceeded")
+        default = 16 if completion else self.api.default_max_tokens
         base = to_sampling_params(req, default_max_tokens=min(default, room))
         if base.max_tokens > room:
             raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; you "
@@ -227,8 +226,9 @@ class OpenAIIngress:
             raise APIError("Invalid 'prompt': it encodes to no tokens.", param="prompt")
         return ids
 
-    async def _run(self, request: Request, req, prompts, params, chat: bool) -> Response:
-        out = (ChatResponses if chat else CompletionResponses)(model=self.cfg.model_name)
+    async def _run(self, request: Request, req, prompts: list[list[int]]) -> Response:
+        params = self._prepare(req, prompts)
+        out = (CompletionResponses if isinstance(req, CompletionRequest) else ChatResponses)(model=self.cfg.model_name)
         rid = out.request_id
         span, ctx = tracing.start_span("router.request", dict(request.headers), request_id=rid,
                                        stream=bool(req.stream), n=req.num_choices, prompts=len(prompts))
