@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over the batcher: the application's ingress, a FastAPI app
-(`@serve.ingress`) whose class holds the `SpecRouter` batcher as a member.
+(`@serve.ingress`) whose class holds the `Batcher` batcher as a member.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /stats (the router's speculation statistics). Every error is OpenAI's error
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import tracing
-from deployments.router import Overloaded, RequestFailed, SpecRouter
+from deployments.batcher import Overloaded, RequestFailed, Batcher
 from serve_app import constants
 from serve_app.args import ApiConfig
 from serve_app.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatResponses, CompletionRequest,
@@ -102,11 +102,11 @@ def _direct(handle):
 
 @serve.ingress(app)
 class OpenAIIngress:
-    """The application's ingress: OpenAI routes over the batcher (`SpecRouter`, a member in the
+    """The application's ingress: OpenAI routes over the batcher (`Batcher`, a member in the
     same process, so a round costs no extra hop); the builder adds Serve options."""
 
     def __init__(self, router_config: dict, api_config: dict, draft_handle, target_handle):
-        self.batcher = SpecRouter(router_config, _direct(draft_handle), _direct(target_handle))
+        self.batcher = Batcher(router_config, _direct(draft_handle), _direct(target_handle))
         self.api = ApiConfig(**api_config)
         self.api_keys = [k.encode() for k in constants.load_api_keys(self.api.api_keys_file)]
         if self.api.require_api_key and not self.api_keys:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from deployments.common import Device, NumThreads
 from deployments.draft import DraftConfig, ProposerSettings
-from deployments.router import RouterConfig, SchedulingConfig
+from deployments.batcher import RouterConfig, SchedulingConfig
 from deployments.target import TargetConfig
 from serve_app.telemetry import TracingConfig
 from specdec.eagle_draft import feature_layers

@@ -241,7 +241,7 @@ async def test_tp_worker_killed_mid_generation(tp_app):
     await assert_idle_async("ftp", url)
 
 
-# ---- the router's fault handling, in process (fake deployment handles, no cluster) ------------
+# ---- the batcher's fault handling, in process (fake deployment handles, no cluster) ------------
 class _Method:
     def __init__(self, fn):
         self.fn = fn
@@ -277,21 +277,21 @@ def _target_fault():
     return ray.exceptions.RayTaskError("verify", "Traceback: ...", TargetFault("worker died")).as_instanceof_cause()
 
 
-def _router(tiny_dir, target, **cfg):
-    from deployments.router import SpecRouter
-    return SpecRouter({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 256,
+def _batcher(tiny_dir, target, **cfg):
+    from deployments.batcher import Batcher
+    return Batcher({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 256,
                        "batch_wait_timeout_s": 0, **cfg}, None, target)
 
 
-async def _generate(router, prompt_ids, max_tokens):
+async def _generate(batcher, prompt_ids, max_tokens):
     from specdec.sampling import SamplingParams
-    [seq] = router.submit(prompt_ids, [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)])
+    [seq] = batcher.submit(prompt_ids, [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)])
     try:
         while not seq.finished:
-            await router.wait(seq)
+            await batcher.wait(seq)
         return seq.output_ids
     finally:
-        router.finish(seq)
+        batcher.finish(seq)
 
 
 @pytest.fixture(scope="module")
@@ -303,58 +303,58 @@ def tiny_worker(tiny_dir):
 
 
 @pytest.mark.asyncio
-async def test_router_retries_a_broken_target_group_and_output_is_unchanged(tiny_dir, tiny_worker):
-    ok = _router(tiny_dir, _FakeTarget(tiny_worker))
+async def test_batcher_retries_a_broken_target_group_and_output_is_unchanged(tiny_dir, tiny_worker):
+    ok = _batcher(tiny_dir, _FakeTarget(tiny_worker))
     ref = await _generate(ok, [5, 6, 7], 12)
     flaky = _FakeTarget(tiny_worker, failures=2, error=_target_fault)
-    out = await _generate(_router(tiny_dir, flaky), [5, 6, 7], 12)
+    out = await _generate(_batcher(tiny_dir, flaky), [5, 6, 7], 12)
     assert out == ref and flaky.calls > 2
     assert len(tiny_worker.table) == 0
 
 
 @pytest.mark.parametrize("kind", ["target-fault", "actor-died", "no-replica-answers"])
 @pytest.mark.asyncio
-async def test_router_gives_503_past_the_retry_deadline(tiny_dir, kind):
+async def test_batcher_gives_503_past_the_retry_deadline(tiny_dir, kind):
     import ray.exceptions
-    from deployments.router import RequestFailed
+    from deployments.batcher import RequestFailed
     target = {"target-fault": lambda: _FakeTarget(failures=10**9, error=_target_fault),
               "actor-died": lambda: _FakeTarget(failures=10**9, error=ray.exceptions.ActorDiedError),
               "no-replica-answers": lambda: _FakeTarget(hang=True)}[kind]()
 
-    router = _router(tiny_dir, target, retry_deadline_s=1.0)
+    batcher = _batcher(tiny_dir, target, retry_deadline_s=1.0)
     t0 = time.monotonic()
     with pytest.raises(RequestFailed) as e:
-        await asyncio.wait_for(_generate(router, [5, 6, 7], 8), timeout=10)
+        await asyncio.wait_for(_generate(batcher, [5, 6, 7], 8), timeout=10)
     for _ in range(100):  # the lane winds down
-        if not router.lanes:
+        if not batcher.lanes:
             break
         await asyncio.sleep(0.02)
     err, elapsed = e.value, time.monotonic() - t0
     assert err.status == 503 and "target unavailable" in str(err)
     assert elapsed < 5
-    assert not router.lanes and not router.queue and not router.events and not router.errors
+    assert not batcher.lanes and not batcher.queue and not batcher.events and not batcher.errors
 
 
 @pytest.mark.asyncio
-async def test_router_fails_a_lane_cleanly_on_an_application_error(tiny_dir):
-    from deployments.router import RequestFailed
+async def test_batcher_fails_a_lane_cleanly_on_an_application_error(tiny_dir):
+    from deployments.batcher import RequestFailed
 
-    router = _router(tiny_dir, _FakeTarget(failures=10**9, error=lambda: ValueError("boom")))
+    batcher = _batcher(tiny_dir, _FakeTarget(failures=10**9, error=lambda: ValueError("boom")))
     with pytest.raises(RequestFailed) as e:
-        await asyncio.wait_for(_generate(router, [5, 6, 7], 8), timeout=10)
+        await asyncio.wait_for(_generate(batcher, [5, 6, 7], 8), timeout=10)
     assert e.value.status == 500
 
 
 @pytest.mark.asyncio
-async def test_router_cancelled_lane_fails_its_requests_instead_of_hanging(tiny_dir):
-    from deployments.router import RequestFailed
+async def test_batcher_cancelled_lane_fails_its_requests_instead_of_hanging(tiny_dir):
+    from deployments.batcher import RequestFailed
 
-    router = _router(tiny_dir, _FakeTarget(hang=True))
-    gen = asyncio.ensure_future(_generate(router, [5, 6, 7], 8))
-    while not router.lanes:
+    batcher = _batcher(tiny_dir, _FakeTarget(hang=True))
+    gen = asyncio.ensure_future(_generate(batcher, [5, 6, 7], 8))
+    while not batcher.lanes:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
-    router.lanes[0].task.cancel()  # e.g. the replica shuts down
+    batcher.lanes[0].task.cancel()  # e.g. the replica shuts down
     with pytest.raises(RequestFailed) as e:
         await asyncio.wait_for(gen, timeout=10)
     assert e.value.status == 503
@@ -385,13 +385,13 @@ class _FlakyDraft:
 
 
 @pytest.mark.asyncio
-async def test_router_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_worker):
-    from deployments.router import SpecRouter
+async def test_batcher_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_worker):
+    from deployments.batcher import Batcher
     from specdec.sampling import SamplingParams
 
-    plain = await _generate(_router(tiny_dir, _FakeTarget(tiny_worker)), [5, 6, 7, 5, 6, 7, 5, 6], 60)
+    plain = await _generate(_batcher(tiny_dir, _FakeTarget(tiny_worker)), [5, 6, 7, 5, 6, 7, 5, 6], 60)
     draft = _FlakyDraft()
-    router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
+    batcher = Batcher({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
                          "draft_backoff_s": 0.05, "num_speculative_tokens": 3, "adaptive": False}, draft,
                          _FakeTarget(tiny_worker))
 
@@ -399,19 +399,19 @@ async def test_router_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_w
         await asyncio.sleep(0.3)
         draft.down = False
     r = asyncio.ensure_future(recover())
-    [seq] = router.submit([5, 6, 7, 5, 6, 7, 5, 6], [SamplingParams(max_tokens=60, temperature=0,
+    [seq] = batcher.submit([5, 6, 7, 5, 6, 7, 5, 6], [SamplingParams(max_tokens=60, temperature=0,
                                                                       ignore_eos=True)])
     while not seq.finished:
-        await router.wait(seq)
-    router.finish(seq)
+        await batcher.wait(seq)
+    batcher.finish(seq)
     await r
     for _ in range(100):
-        if not router.lanes:
+        if not batcher.lanes:
             break
         await asyncio.sleep(0.02)
     assert seq.output_ids == plain  # greedy: unchanged by the lost drafts
     assert draft.failed >= 1 and draft.calls > draft.failed + 3  # it failed, then speculation resumed
-    assert sum(router.engine_stats()["draft_failures"].values()) == draft.failed  # counted (/stats), not only logged
+    assert sum(batcher.engine_stats()["draft_failures"].values()) == draft.failed  # counted (/stats), not only logged
     assert seq.proposed > 0
     assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side
 
@@ -427,7 +427,7 @@ class _SlowOnceDraft(_FlakyDraft):
         self.calls += 1
         if batch.release and not self.slowed:
             self.slowed = True
-            await asyncio.sleep(2.0)  # the router gives up first (draft_timeout_s)
+            await asyncio.sleep(2.0)  # the batcher gives up first (draft_timeout_s)
         return "draft-a", self.proposer.propose(batch)
 
 
@@ -449,27 +449,27 @@ class _UnavailableOnceTarget(_FakeTarget):
 
 @pytest.mark.parametrize("fault", ["draft-timeout", "target-unavailable"])
 @pytest.mark.asyncio
-async def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault):
+async def test_batcher_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, fault):
     """Releases carried by a call that failed are delivered later: a slow draft replica or a
     target replica that was unreachable for a moment frees every finished sequence's slot."""
-    from deployments.router import SpecRouter
+    from deployments.batcher import Batcher
     from specdec.sampling import SamplingParams
 
     draft = _SlowOnceDraft()
     draft.slowed = fault != "draft-timeout"  # slow once only in the draft-timeout case
     target = _UnavailableOnceTarget(tiny_worker) if fault == "target-unavailable" else _FakeTarget(tiny_worker)
 
-    router = SpecRouter({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
+    batcher = Batcher({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
                          "draft_timeout_s": 0.3, "draft_backoff_s": 0.0, "num_speculative_tokens": 2,
                          "adaptive": False}, draft, target)
-    seqs = router.submit([5, 6, 7, 5, 6, 7], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    seqs = batcher.submit([5, 6, 7, 5, 6, 7], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                               for n in (2, 40)])
     for s in seqs:
         while not s.finished:
-            await router.wait(s)
-        router.finish(s)
+            await batcher.wait(s)
+        batcher.finish(s)
     for _ in range(200):
-        if not router.lanes and not router._background:
+        if not batcher.lanes and not batcher._background:
             break
         await asyncio.sleep(0.02)
     assert draft.slowed and (fault == "draft-timeout" or target.failed)  # the fault happened
@@ -477,36 +477,36 @@ async def test_router_keeps_releases_across_failed_calls(tiny_dir, tiny_worker, 
 
 
 @pytest.mark.asyncio
-async def test_router_one_large_n_request_does_not_lock_out_other_clients(tiny_dir, tiny_worker):
-    """An n = 8 request on a router with 4 rows holds at most max_request_share (2 rows): a later
+async def test_batcher_one_large_n_request_does_not_lock_out_other_clients(tiny_dir, tiny_worker):
+    """An n = 8 request on a batcher with 4 rows holds at most max_request_share (2 rows): a later
     single-sample request starts at once and finishes long before the large one's first wave."""
     from specdec.sampling import SamplingParams
 
-    router = _router(tiny_dir, _FakeTarget(tiny_worker), max_batch_size=2, max_lanes=2,
+    batcher = _batcher(tiny_dir, _FakeTarget(tiny_worker), max_batch_size=2, max_lanes=2,
                      max_request_share=0.5)
     # the first wave is long (160 tokens) against the client's 5, whatever the machine's speed
     greedy = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
-    big = router.submit([5, 6, 7], [greedy] * 8)
+    big = batcher.submit([5, 6, 7], [greedy] * 8)
     held = []
 
     async def watch():
         while True:
-            held.append(sum(s in big for l in router.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)))
+            held.append(sum(s in big for l in batcher.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)))
             await asyncio.sleep(0.002)
     watcher = asyncio.ensure_future(watch())
     while not any(s.num_output for s in big):  # the big request runs (no wall-clock wait)
         await asyncio.sleep(0.002)
-    small = await asyncio.wait_for(_generate(router, [9, 10, 11], 5), timeout=30)
+    small = await asyncio.wait_for(_generate(batcher, [9, 10, 11], 5), timeout=30)
     done_early = sum(s.finished for s in big)
     while not all(s.finished for s in big):
-        await asyncio.gather(*(router.wait(s) for s in big if not s.finished))
+        await asyncio.gather(*(batcher.wait(s) for s in big if not s.finished))
     watcher.cancel()
     outs = [s.output_ids for s in big]
     for s in big:
-        router.finish(s)
+        batcher.finish(s)
     assert len(small) == 5
     assert done_early == 0  # before: the 8 samples took all 4 rows and queued ahead of the client
     assert max(held) == 2  # never more than its share of the rows
     assert all(len(o) == 160 and o == outs[0] for o in outs)  # every sample ran (greedy: identical)
-    assert not router.queue and not router.events
+    assert not batcher.queue and not batcher.events
     assert len(tiny_worker.table) == 0

@@ -1,5 +1,5 @@
-"""Router: the batching core of the ingress. Runs the engine's speculative rounds against the
-Draft and Target deployment handles.
+"""The batcher: the batching core of the Router deployment (the ingress, serve_app/api.py). Runs the
+engine's speculative rounds against the Draft and Target deployment handles.
 
 Requests become sequences in a bounded queue. Sequences run in *lanes*: a lane is one running
 batch (up to `max_batch_size`) pinned to one draft replica and one target replica (the replicas
@@ -125,9 +125,9 @@ class Lane:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
 
-class SpecRouter:
-    """The batcher: queues sequences, runs lanes of speculative rounds over the draft and target
-    deployments. Not a deployment itself: the HTTP ingress (serve_app/api.py) holds one."""
+class Batcher:
+    """Queues sequences and runs lanes of speculative rounds over the Draft and Target
+    deployments. Not a deployment itself: the Router deployment's ingress (serve_app/api.py) holds one."""
 
     def __init__(self, config: dict, draft_handle, target_handle):
         self.cfg = RouterConfig(**config)
