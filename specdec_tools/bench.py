@@ -10,7 +10,13 @@ every configuration does the same work); every speculative run's output is check
 decoding in the same dtype. For each row the table gives tokens/s, acceptance rate
 a, mean accepted length, the measured cost ratio c (draft step time / plain target step time),
 the theoretical bound S = (1 - a^(k+1)) / ((1 - a)(k c + 1)), the measured speedup over plain
-decoding at the same batch size (measured in the same run) and measured / bound.
+decoding at the same batch size and measured / bound.
+
+The speedup is against plain decoding of the same prompts timed right before and right after the
+row (plain, config, plain, config, ...: this 2-core machine's speed drifts by 20-30% within
+minutes, which a single plain run at the start put on every ratio). Every engine first decodes
+one warm-up wave of the same batch (half the tokens), as a server's engine has decoded earlier
+requests: an adaptive engine starts measured, not from its priors.
 """
 from __future__ import annotations
 
@@ -66,10 +72,16 @@ class Row:
     draft_s: float = 0.0  # plan + proposer
     target_s: float = 0.0  # verify
     round_s: float = 0.0
+    plain_s: float = 0.0  # plain decoding of the same prompts, the mean of the runs before and after this one
 
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def speedup(self) -> float:
+        """Over plain decoding timed beside it (the same tokens: fixed length)."""
+        return self.plain_s / self.seconds if self.plain_s else float("nan")
 
     def split(self) -> str:
         """Per round, ms: whole round (plan + draft / verify / commit)."""
@@ -80,10 +92,11 @@ class Row:
 
 
 def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0,
-               lookup=0, ngram_k=0, temperature=0.0, seed=None, corpus=None):
+               lookup=0, ngram_k=0, temperature=0.0, seed=None, corpus=None, warm_tokens=0):
     """`lookup` > 0: plain rounds of 8 steps whose rows verify that many lookup tokens per step
     (continued from `corpus` if given; with k = 0 the proposer only enables them). `temperature`
-    > 0 samples (with `seed`)."""
+    > 0 samples (with `seed`). Before the timed run: `warm_tokens` > 0 decodes a wave of `prompts`
+    that long (the engine's adaptive state then starts measured), else `warm` 4 tokens of one."""
     eng = LLMEngine(TargetWorker(model, batch, 2048, corpus=corpus), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
                                  speculate=proposer is not None and (k > 0 or lookup > 0), siblings_max_batch=siblings,
@@ -91,9 +104,12 @@ def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=Fal
                                  ngram_k=ngram_k))
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                         ignore_eos=True)  # fixed length: fair tokens/s
-    if warm:
+    if warm_tokens:  # one wave first, as a server's engine has decoded earlier requests
+        eng.generate(prompts, SamplingParams(max_tokens=warm_tokens, temperature=temperature, seed=seed,
+                                             ignore_eos=True))
+    elif warm:
         eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
-        eng.scheduler.stats = type(eng.stats)()
+    eng.scheduler.stats = type(eng.stats)()
     t0 = time.perf_counter()
     seqs = eng.generate(prompts, sp)
     dt = time.perf_counter() - t0
@@ -115,38 +131,42 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblin
     `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds (and with `corpus`,
     that continued from the corpus, and each draft's adaptive rounds with those lookups in their
     plain rounds: the service's configuration); `ngram_k`: the hybrid's prompt-lookup rows may
-    draft that long."""
-    rows = []
-    base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens)
-    plain_step = st.target_time / st.rounds
-    rows.append(Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st)))
-    bar.update()
+    draft that long. Plain decoding runs before the first configuration and after each one, and
+    each row's speedup is against the two plain runs beside it (`Row.plain_s`)."""
+    runs = []  # (name, k, proposer factory or None, run_engine options) in order
     for c in ([None, corpus] if corpus is not None else [None]) if lookup else []:
-        out, dt, st = run_engine(model, tok, prompts, NgramProposer(), 0, batch, max_tokens, lookup=lookup, corpus=c)
-        rows.append(Row(f"plain + lookup {lookup}" + (" + corpus" if c is not None else ""), batch, 0,
-                        sum(map(len, out)), dt, st.lookup_accepted / max(1, st.lookup_proposed),
-                        1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted), 0.0, out == base, **_times(st)))
-        bar.update()
-    for name, make in [("ngram", lambda: NgramProposer())] + [
-            (n, (lambda f=f: f(batch))) for n, f in drafts]:
-        for k in ks:
-            out, dt, st = run_engine(model, tok, prompts, make(), k, batch, max_tokens, siblings=siblings,
-                                     ngram_k=ngram_k)
-            per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
-            rows.append(Row(f"{name}", batch, k, sum(map(len, out)), dt, st.acceptance_rate,
-                            st.mean_accepted_length, per_step / plain_step, out == base, **_times(st)))
-            bar.update()
-        out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True,
-                                 siblings=siblings, ngram_k=ngram_k)
-        rows.append(Row(f"{name} adaptive", batch, -1, sum(map(len, out)), dt, st.acceptance_rate,
-                        st.mean_accepted_length, 0.0, out == base, **_times(st)))
-        bar.update()
+        runs.append((f"plain + lookup {lookup}" + (" + corpus" if c is not None else ""), 0,
+                     NgramProposer, {"lookup": lookup, "corpus": c}))
+    for name, make in [("ngram", NgramProposer)] + [(n, (lambda f=f: f(batch))) for n, f in drafts]:
+        opts = {"siblings": siblings, "ngram_k": ngram_k}
+        runs += [(name, k, make, opts) for k in ks] + [(f"{name} adaptive", -1, make, {**opts, "adaptive": True})]
         if lookup and corpus is not None and name != "ngram":
-            out, dt, st = run_engine(model, tok, prompts, make(), max(ks), batch, max_tokens, adaptive=True,
-                                     siblings=siblings, ngram_k=ngram_k, lookup=lookup, corpus=corpus)
-            rows.append(Row(f"{name} adaptive + lookup {lookup} + corpus", batch, -1, sum(map(len, out)), dt,
-                            st.acceptance_rate, st.mean_accepted_length, 0.0, out == base, **_times(st)))
-            bar.update()
+            runs.append((f"{name} adaptive + lookup {lookup} + corpus", -1, make,
+                         {**opts, "adaptive": True, "lookup": lookup, "corpus": corpus}))
+    warm = max(4, max_tokens // 2)
+    base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens, warm_tokens=warm)
+    plain_step = st.target_time / st.rounds
+    plain_s = [dt]
+    rows = [Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st))]
+    bar.update()
+    for name, k, make, opts in runs:
+        out, dt, st = run_engine(model, tok, prompts, make(), max(ks) if k < 0 else k, batch, max_tokens,
+                                 warm_tokens=warm, **opts)
+        if k == 0:  # plain rounds with lookups: acceptance of the lookup tokens
+            acc, mean_len = st.lookup_accepted / max(1, st.lookup_proposed), \
+                1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted)
+        else:
+            acc, mean_len = st.acceptance_rate, st.mean_accepted_length
+        c = 0.0
+        if k > 0:
+            per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
+            c = per_step / plain_step
+        rows.append(Row(name, batch, k, sum(map(len, out)), dt, acc, mean_len, c, out == base, **_times(st)))
+        plain_s.append(run_engine(model, tok, prompts, None, 0, batch, max_tokens, warm_tokens=warm)[1])
+        bar.update()
+    rows[0].plain_s = plain_s[0]
+    for i, r in enumerate(rows[1:]):
+        r.plain_s = (plain_s[i] + plain_s[i + 1]) / 2
     return rows
 
 
@@ -173,12 +193,12 @@ def bench_hf(target: str, tok, prompts, max_tokens, dtype, ks, bar) -> list[Row]
     return rows
 
 
-def print_table(rows: list[Row], plain: dict[int, float]) -> None:
+def print_table(rows: list[Row]) -> None:
     print(f"\n| config | batch | k | tokens/s | accept a | mean acc. len | c | bound S | speedup | measured/bound | "
           f"same output | round ms (plan+draft / verify / commit) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        sp = r.tps / plain[r.batch] if r.batch in plain else float("nan")
+        sp = r.speedup
         if r.k > 0 and r.acceptance < 1 and not r.name.startswith("HF"):
             bound = speedup_bound(r.acceptance, r.k, r.c)
             mb = f"{sp / bound:.2f}"
@@ -214,6 +234,8 @@ def main(argv=None) -> None:
                     "name, e.g. smollm2-corpus), alone and in each draft's adaptive rounds")
     ap.add_argument("--ngram-k", type=int, default=0, help="at batch 1 (the service's lookup_max_batch): the "
                     "hybrid's prompt-lookup rows draft up to this many tokens (0: k)")
+    ap.add_argument("--waves", type=int, default=1, help="at batch b > 1: decode waves x b sequences, b at a time "
+                    "(continuous batching: a finished row's place goes to a waiting sequence)")
     ap.add_argument("--siblings", type=int, default=0, help="siblings_max_batch: batches up to this size also "
                     "verify a sibling of each first draft (0: chains only)")
     a = ap.parse_args(argv)
@@ -241,7 +263,7 @@ def main(argv=None) -> None:
           + (f" gpu={torch.cuda.get_device_name()}" if a.device == "cuda" else ""))
     for kind in a.kinds.split(","):
         prompts = kinds[kind]
-        rows, plain = [], {}
+        rows = []
         for b in batches:
             if b == 1:  # batch 1: the prompts one after another
                 rs = [bench_engine(model, tok, [p], drafts, ks, 1, a.max_tokens, _Null(), a.siblings, a.lookup, a.ngram_k,
@@ -250,15 +272,19 @@ def main(argv=None) -> None:
                 merged = [_merge([r[i] for r in rs]) for i in range(len(rs[0]))]
                 bar.update(per_batch)
             else:
-                batch_prompts = (prompts * b)[:b]  # b concurrent sequences (prompts reused if fewer)
+                # b concurrent sequences, `waves` x b in all (prompts reused if fewer): rows that finish
+                # are replaced by waiting ones (continuous batching), so the batch stays full until the last wave
+                batch_prompts = (prompts * b * a.waves)[:b * a.waves]
                 merged = bench_engine(model, tok, batch_prompts, drafts, ks, b, a.max_tokens, bar, a.siblings, a.lookup,
                                       corpus=corpus)
-            plain[b] = merged[0].tps
             rows += merged
         if not a.no_hf:
-            rows += bench_hf(a.target, tok, prompts, a.max_tokens, dtype, ks, bar)
+            hf = bench_hf(a.target, tok, prompts, a.max_tokens, dtype, ks, bar)
+            for r in hf:  # the same prompts and tokens as the engine's plain row at batch 1
+                r.plain_s = next((p.seconds for p in rows if p.name == "plain" and p.batch == 1), 0.0)
+            rows += hf
         print(f"\n### {kind} prompts ({len(prompts)}), greedy, {a.max_tokens} new tokens, {a.dtype}")
-        print_table(rows, plain)
+        print_table(rows)
     bar.close()
 
 
@@ -318,7 +344,7 @@ def _merge(rows: list[Row]) -> Row:
                sum(r.acceptance * x for r, x in zip(rows, w)), sum(r.mean_len * x for r, x in zip(rows, w)),
                sum(r.c * x for r, x in zip(rows, w)),
                None if r0.identical is None else all(r.identical for r in rows),
-               *(sum(getattr(r, f) for r in rows) for f in ("rounds", "draft_s", "target_s", "round_s")))
+               *(sum(getattr(r, f) for r in rows) for f in ("rounds", "draft_s", "target_s", "round_s", "plain_s")))
 
 
 if __name__ == "__main__":
