@@ -8,8 +8,8 @@ server's adaptive speculation and with `num_speculative_tokens: 0`, alternating 
 wave: one request per client slot) so that a drifting machine speed falls on both modes alike. Prints tokens/s,
 time to first token, inter-token latency (p50), the acceptance rate from the router's /stats, and
 the in-process engine's tokens/s on the same prompts at batch 1, configured as the app is (its
-proposer, scheduling knobs, lookup corpus and in-target draft), speculating and plain (service /
-engine ratio).
+proposer, scheduling knobs, lookup corpus and in-target draft), speculating and plain, timed before
+and after the HTTP runs (service / engine ratio against their mean).
 """
 from __future__ import annotations
 
@@ -269,6 +269,11 @@ def main(argv=None):
     # for identical work on this machine, four waves 1.00-1.05x)
     w = {c: c * a.per_client for c in levels}  # requests per wave
     n_req = {c: w[c] * max(1, (a.requests or max(16, 4 * c)) // w[c]) for c in levels}
+    from serve_app.args import AppArgs
+    app = AppArgs(**{**args, "max_batch_size": 1})
+    baselines = []  # in process, before and after the HTTP runs: their mean is what the service is held to
+    if not a.no_engine:
+        baselines.append(engine_baselines(app, a.max_tokens, temperature=a.temperature, questions=PROMPT_SETS[a.prompts]))
     bar = tqdm(total=2 * a.repeats * sum(n_req.values()) + 2 * a.warmup, desc="http bench")
     for spec in (False, True):  # warm-up, not measured: a fresh router calibrates its cost model
         asyncio.run(level(url, a.model, 1, a.warmup, a.max_tokens, spec, bar, a.temperature, PROMPT_SETS[a.prompts]))
@@ -287,11 +292,10 @@ def main(argv=None):
                           m["gate_rounds"] - m["gate_rounds_without"], m["gate_rounds"])
                 rows.append((rep, c, spec, r, acc, split, prop / max(1, m["emitted"]), looked))
     bar.close()
-    from serve_app.args import AppArgs
-    app = AppArgs(**{**args, "max_batch_size": 1})
     base = plain = None
-    if not a.no_engine:
-        base, plain = engine_baselines(app, a.max_tokens, temperature=a.temperature, questions=PROMPT_SETS[a.prompts])
+    if not a.no_engine:  # (this machine's speed drifts by 20-30% within minutes)
+        baselines.append(engine_baselines(app, a.max_tokens, temperature=a.temperature, questions=PROMPT_SETS[a.prompts]))
+        base, plain = (statistics.mean(x) for x in zip(*baselines))
     how = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
     print(f"\n{a.model} via {url} (proposer {app.proposer}), {how} streaming chat ({a.prompts} questions), "
           f"{'up to ' if a.stop_at_eos else ''}{a.max_tokens} tokens, {a.dtype}, "
@@ -317,11 +321,10 @@ def main(argv=None):
     if base:
         c1 = [r["tps"] for _, c, s, r, *_ in rows if c == 1 and s]
         c1_off = [r["tps"] for _, c, s, r, *_ in rows if c == 1 and not s]
-        print(f"\nin-process engine, batch 1, same prompts, the app's configuration: speculating ({app.proposer}) {base:.1f} tok/s, "
-              f"plain "
-              f"{plain:.1f} tok/s" + (f"; service at concurrency 1 keeps {statistics.median(c1) / base:.0%} "
-                                      f"(speculation on) and {statistics.median(c1_off) / plain:.0%} (plain)"
-                                      if c1 else ""))
+        kept = (f"; service at concurrency 1 keeps {statistics.median(c1) / base:.0%} (speculation on) and "
+                f"{statistics.median(c1_off) / plain:.0%} (plain)") if c1 else ""
+        print(f"\nin-process engine, batch 1, same prompts, the app's configuration (mean of a run before and one after "
+              f"the HTTP runs): speculating ({app.proposer}) {base:.1f} tok/s, plain {plain:.1f} tok/s{kept}")
 
 
 if __name__ == "__main__":
