@@ -246,8 +246,10 @@ def main(argv=None) -> None:
     dtype = parse_dtype(a.dtype)
     tok = load_tokenizer(a.target)
     model = load_model(a.target, dtype=dtype, device=a.device)
-    self_draft = model.first_layers(a.self_draft_layers)
-    drafts = [] if a.no_self else [(f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048))]
+    drafts = []
+    if not a.no_self:
+        self_draft = model.first_layers(a.self_draft_layers)
+        drafts.append((f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048)))
     if a.draft:
         drafts += draft_factories(a.draft, model, dtype, a.hybrid_ngram_min)
     ks = [int(x) for x in a.ks.split(",")]
