@@ -108,3 +108,26 @@ def test_chat_answers_pipeline_resumes_and_mixes_temperatures(tiny_dir, tmp_path
     for r in resampled:
         assert r["prompt"] == again[r["i"]]["prompt"] and r["temperature"] in (0.7, 1.0)
         assert r["temperature"] != again[r["i"]]["temperature"]
+
+
+def test_chat_seed_makes_new_conversations_and_keeps_the_split_and_the_code_data(tiny_dir, tmp_path, one_thread,
+                                                                               monkeypatch):
+    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})  # 3 train, 2 held out
+    args = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
+            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
+            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
+            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
+            "--chat-answers", "12", "--questions-per-topic", "1", "--follow-up-frac", "0", "--heldout-chat-pct", "30"]
+    read = lambda work, name: [json.loads(x) for x in (work / name).read_text().splitlines()]  # noqa: E731
+    runs = {}
+    for seed in (None, 0, 1):
+        work = tmp_path / f"seed{seed}.work"
+        main([*args, "--out", str(tmp_path / f"seed{seed}"), *(["--chat-seed", str(seed)] if seed is not None else [])])
+        runs[seed] = work
+    assert read(runs[0], "chat_answers.jsonl") == read(runs[None], "chat_answers.jsonl")  # default: --seed
+    assert read(runs[1], "answers.jsonl") == read(runs[0], "answers.jsonl")  # the code data does not move
+    old = {tuple(r["prompt"]) for r in read(runs[0], "chat_answers.jsonl")}
+    new = read(runs[1], "chat_answers.jsonl")
+    assert len(new) == 12 and sum(tuple(r["prompt"]) not in old for r in new) >= 6
+    train = set(chat.split_topics(30)[0])
+    assert {r["topic"] for r in read(runs[1], "questions.jsonl")} <= train

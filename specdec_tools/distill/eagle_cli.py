@@ -51,6 +51,10 @@ def add_arguments(p) -> None:
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
     c.add_argument("--chat-minutes", type=float,
                    help="time for chat answers (first turns get 1 - --follow-up-frac of it, second turns the rest)")
+    c.add_argument("--chat-seed", type=int,
+                   help="seed of the everyday-chat data alone (task templates, self-instruct questions, order, "
+                   "sampled answers; default --seed): another value makes new conversations about the same "
+                   "training topics, leaving the held-out split and the code data as they were")
     c.add_argument("--questions-per-topic", type=int, default=6, help="self-instruct questions per topic")
     c.add_argument("--sampled-frac", type=float, default=0.5,
                    help="share of chat answers sampled (half at temperature 0.7, half at 1.0), the rest greedy")
@@ -79,12 +83,14 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
     """Answers to everyday-chat prompts of the training topics (seed tasks, self-instruct
     questions, then second turns), resumable in `work`; returns their answer records."""
     train_topics, _ = chat.split_topics(args.heldout_chat_pct)
+    seed = args.seed if args.chat_seed is None else args.chat_seed
+    offset = 0 if seed == args.seed else 10_000_019 * seed  # answers' sampling seeds
     questions = chat.self_instruct(target, tok, train_topics, args.questions_per_topic, work / "questions.jsonl",
-                                   args.gen_batch, args.seed)
-    items = chat.seed_prompts(train_topics, args.seed) + questions[0]
-    random.Random(args.seed).shuffle(items)
+                                   args.gen_batch, seed)
+    items = chat.seed_prompts(train_topics, seed) + questions[0]
+    random.Random(seed).shuffle(items)
     for a, later in enumerate(questions[1:], 1):  # after the first run's order: cached answers keep their index
-        random.Random(args.seed + a).shuffle(later)
+        random.Random(seed + a).shuffle(later)
         items += later
     items = items[: args.chat_answers]
     n_follow = int(args.follow_up_frac * len(items))
@@ -94,21 +100,21 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
     minutes = args.chat_minutes
     generate_answers(target, tok, prompts, work / "chat_answers.jsonl", args.gen_batch, args.gen_tokens,
                      minutes and minutes * (1 - share), temperatures=_temperatures(len(prompts), args.sampled_frac),
-                     desc="chat answers")
+                     desc="chat answers", seed_offset=offset)
     done = {r["i"]: r for r in read_jsonl(work / "chat_answers.jsonl")}
     base = [i for i in range(len(first)) if i in done and done[i]["temperature"] == 0.0][:n_follow]
     seconds = chat.follow_ups([first[i] for i in base],
-                              [tok.decode(done[i]["output"], skip_special_tokens=True) for i in base], args.seed)
+                              [tok.decode(done[i]["output"], skip_special_tokens=True) for i in base], seed)
     prompts2 = [(it.kind, encode_chat(tok, list(it.messages))) for it in seconds]
     if prompts2:  # over the greedy first turns answered so far (in index order: a resumed run extends it)
         generate_answers(target, tok, prompts2, work / "chat_follow_ups.jsonl", args.gen_batch, args.gen_tokens,
                          minutes and minutes * share, temperatures=_temperatures(len(prompts2), args.sampled_frac),
-                         desc="follow-up answers")
+                         desc="follow-up answers", seed_offset=offset)
     if args.resample_minutes:
         temps = [(0.7, 1.0)[i % 2] if t == 0 else round(1.7 - t, 1)
                  for i, t in enumerate(_temperatures(len(prompts), args.sampled_frac))]
         generate_answers(target, tok, prompts, work / "chat_resampled.jsonl", args.gen_batch, args.gen_tokens,
-                         args.resample_minutes, temperatures=temps, desc="resampled answers", seed_offset=1_000_003)
+                         args.resample_minutes, temperatures=temps, desc="resampled answers", seed_offset=offset + 1_000_003)
     return (list(done.values()) + read_jsonl(work / "chat_follow_ups.jsonl")
             + read_jsonl(work / "chat_resampled.jsonl"))
 
