@@ -131,3 +131,27 @@ def test_chat_seed_makes_new_conversations_and_keeps_the_split_and_the_code_data
     assert len(new) == 12 and sum(tuple(r["prompt"]) not in old for r in new) >= 6
     train = set(chat.split_topics(30)[0])
     assert {r["topic"] for r in read(runs[1], "questions.jsonl")} <= train
+
+
+def test_packed_answers_carry_a_run_s_data_into_the_next(tiny_dir, tmp_path, one_thread, monkeypatch):
+    from specdec_tools.distill import packed
+    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})
+    args = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
+            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
+            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
+            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
+            "--chat-answers", "6", "--questions-per-topic", "1", "--follow-up-frac", "0", "--heldout-chat-pct", "30"]
+    f = tmp_path / "run1.npz"
+    m = main([*args, "--out", str(tmp_path / "a"), "--pack-data", str(f)])
+    assert m["data"]["answers"] == 8
+    made = [json.loads(x) for name in ("answers.jsonl", "chat_answers.jsonl")
+            for x in (tmp_path / "a.work" / name).read_text().splitlines()]
+    keep = lambda r: (r["kind"], r["temperature"], r["prompt"], r["output"])  # noqa: E731
+    assert sorted(map(keep, packed.unpack(f))) == sorted(map(keep, made))
+    # a later run with other conversations trains on both; its own answers and a repeated file count once
+    m = main([*args, "--out", str(tmp_path / "b"), "--chat-seed", "1", "--data", str(f), str(f)])
+    own = [json.loads(x) for name in ("answers.jsonl", "chat_answers.jsonl")
+           for x in (tmp_path / "b.work" / name).read_text().splitlines()]
+    distinct = {(tuple(r["prompt"]), tuple(r["output"])) for r in made + own}
+    assert len(own) == 8 and len(distinct) > 8  # the same two code answers; new conversations
+    assert m["data"]["answers"] == len(distinct)

@@ -5,6 +5,7 @@
 
 1. the target's greedy answers to training chat prompts and code prefixes (resumable jsonl), and
    with --chat-answers its greedy and sampled answers to everyday chat (specdec_tools.distill.chat);
+   --pack-data keeps them in one small file, and --data adds earlier runs' files (specdec_tools.distill.packed);
 2. teacher features: one bf16 prefill over those answers and packed plain text (resumable);
 3. the draft vocabulary from the target's greedy predictions in that pass;
 4. training (resumable with --resume); 5. export (fc + layer, bf16) and held-out evaluation.
@@ -23,7 +24,7 @@ import torch
 from specdec.eagle_draft import EagleDraft, load_eagle
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
 from specdec.prompts import encode_chat
-from specdec_tools.distill import chat
+from specdec_tools.distill import chat, packed
 from specdec_tools.distill.answers import generate_answers, read_jsonl, training_prompts
 from specdec_tools.distill.data import Corpus, TextMix
 from specdec_tools.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
@@ -45,6 +46,9 @@ def add_arguments(p) -> None:
     g.add_argument("--feature-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                    help="EAGLE-3 fusion: target layers (0-based, e.g. 2,14) whose outputs the draft reads "
                    "beside the final feature (default: none, EAGLE-1)")
+    g.add_argument("--data", nargs="+", default=[], metavar="FILE",
+                   help="packed answers of earlier runs (specdec_tools.distill.packed) trained on beside this run's")
+    g.add_argument("--pack-data", metavar="FILE", help="pack this run's answers into FILE (.npz) for later runs' --data")
     g.add_argument("--init-draft", help="start from this EAGLE draft's fuse, fc and layers (fine-tuning; its "
                    "vocabulary is replaced by the one selected from this run's data)")
     c = p.add_argument_group("everyday chat data (specdec_tools.distill.chat)")
@@ -71,6 +75,20 @@ def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> l
     rng = random.Random(args.seed)
     rows += [("text", text.next_row(rng)) for _ in range(args.text_tokens // args.seq_len)]
     return rows
+
+
+def earlier_answers(files: list[str], answers: list[dict]) -> list[dict]:
+    """The answers packed in `files` that `answers` does not hold already, numbered after them."""
+    seen = {(tuple(r["prompt"]), tuple(r["output"])) for r in answers}
+    out = []
+    for f in files:
+        records = packed.unpack(f)
+        new = [r for r in records if (tuple(r["prompt"]), tuple(r["output"])) not in seen]
+        seen.update((tuple(r["prompt"]), tuple(r["output"])) for r in new)
+        out += new
+        print(f"{f}: {len(new)} of {len(records)} answers added ({sum(len(r['output']) for r in new)} tokens)",
+              flush=True)
+    return [{**r, "i": len(answers) + j} for j, r in enumerate(out)]
 
 
 def _temperatures(n: int, sampled_frac: float) -> list[float]:
@@ -143,6 +161,9 @@ def run(args, argv: list[str]) -> dict:
         talk = chat_rows(args, target, tok, work)
         print(f"everyday chat answers: {len(talk)} ({sum(len(r['output']) for r in talk)} tokens)", flush=True)
         answers += [{**r, "i": len(answers) + j} for j, r in enumerate(talk)]
+    if args.pack_data:
+        print(f"packed {len(answers)} answers into {packed.pack(args.pack_data, answers, shlex.join(argv))}", flush=True)
+    answers += earlier_answers(args.data, answers)
     rows = training_rows(args, corpus, tok, eos, answers)
     target.feature_layers = tuple(args.feature_layers)
     name = "features" + "".join(f"-{i}" for i in args.feature_layers)  # one cache per feature layout
