@@ -37,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--temperatures", help="e.g. 0.7,1.0: expected sampled acceptance by q's width instead")
     ap.add_argument("--top-j", default="1,32,128,512,8192", help="q widths for --temperatures")
+    ap.add_argument("--draft-scales", default="1.0",
+                    help="with --temperatures: the draft samples at T x each scale (q sharper below 1, flatter above)")
     ap.add_argument("--questions", type=int, default=0, help="first n questions of each set (0: all)")
     a = ap.parse_args(argv)
     from specdec.eagle_draft import load_eagle
@@ -90,27 +92,30 @@ def main(argv=None):
 def sampled_overlap(a, sets, first_steps, token_map):
     """Expected first-step acceptance of sampled drafting, sum_x min(p, q_J), by q's width J."""
     widths = [int(j) for j in a.top_j.split(",")]
+    scales = [float(v) for v in a.draft_scales.split(",")]
     rows = []
     for t in (float(v) for v in a.temperatures.split(",")):
         for name, questions in sets.items():
-            acc, n = torch.zeros(len(widths)), 0
+            acc, n = torch.zeros(len(scales), len(widths)), 0
             for i, q in enumerate(tqdm(questions, desc=f"{name} T={t}")):
                 x, n_prompt, logits, d_logits = first_steps(q, i, t)
                 for p in range(n_prompt - 1, len(x) - 2):
                     p_target = torch.softmax(logits[p + 1] / t, -1)  # [V]
-                    q_draft = torch.softmax(d_logits[p] / t, -1)  # [V_draft]
-                    vals, ids = q_draft.topk(min(max(widths), len(q_draft)))  # sorted: each width a prefix
-                    for j, width in enumerate(widths):
-                        v = vals[:width]
-                        acc[j] += torch.minimum(p_target[token_map[ids[:width]]], v / v.sum()).sum()
+                    for s, scale in enumerate(scales):
+                        q_draft = torch.softmax(d_logits[p] / (t * scale), -1)  # [V_draft]
+                        vals, ids = q_draft.topk(min(max(widths), len(q_draft)))  # sorted: each width a prefix
+                        for j, width in enumerate(widths):
+                            v = vals[:width]
+                            acc[s, j] += torch.minimum(p_target[token_map[ids[:width]]], v / v.sum()).sum()
                     n += 1
-            rows.append((t, name, len(questions), *(acc / max(1, n)).tolist(), n))
+            for s, scale in enumerate(scales):
+                rows.append((t, scale, name, len(questions), *(acc[s] / max(1, n)).tolist(), n))
     print(f"\nexpected first-step acceptance of {a.draft}'s sampled drafts against {a.target}, by q's width J "
-          f"(the target's sampled continuation, {a.max_tokens} tokens)")
-    print("| T | questions | " + " | ".join(f"J = {w}" for w in widths) + " | positions |")
-    print("|---|---|" + "---|" * len(widths) + "---|")
-    for t, name, nq, *vals, n in rows:
-        print(f"| {t} | {name} ({nq}) | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {n} |")
+          f"and the draft's temperature scale (the target's sampled continuation, {a.max_tokens} tokens)")
+    print("| T | draft at T x | questions | " + " | ".join(f"J = {w}" for w in widths) + " | positions |")
+    print("|---|---|---|" + "---|" * len(widths) + "---|")
+    for t, scale, name, nq, *vals, n in rows:
+        print(f"| {t} | {scale} | {name} ({nq}) | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {n} |")
 
 
 if __name__ == "__main__":
