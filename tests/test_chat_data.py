@@ -155,3 +155,11 @@ def test_packed_answers_carry_a_run_s_data_into_the_next(tiny_dir, tmp_path, one
     distinct = {(tuple(r["prompt"]), tuple(r["output"])) for r in made + own}
     assert len(own) == 8 and len(distinct) > 8  # the same two code answers; new conversations
     assert m["data"]["answers"] == len(distinct)
+
+
+def test_a_lookup_corpus_reads_as_packed_answers(tmp_path):
+    from specdec.corpus import NgramCorpus
+    from specdec_tools.distill import packed
+    NgramCorpus.save(tmp_path / "c.npz", [[5, 6, 7], [8, 9]], vocab_size=16)
+    assert [(r["kind"], r["prompt"], r["output"]) for r in packed.unpack(tmp_path / "c.npz")] == [
+        ("corpus", [], [5, 6, 7]), ("corpus", [], [8, 9])]

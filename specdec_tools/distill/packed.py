@@ -31,8 +31,12 @@ def pack(path: Path, records: list[dict], meta: str = "") -> Path:
 
 
 def unpack(path: Path) -> list[dict]:
-    """The records of a packed file, in the order they were packed."""
+    """The records of a packed file, in the order they were packed. A lookup corpus
+    (specdec.corpus.NgramCorpus.save: the target's answers, each after its prompt's last tokens) reads
+    as records of kind "corpus" with the whole segment as output and temperature -1 (unknown)."""
     with np.load(Path(path)) as z:
+        if "lens" not in z.files:
+            return _corpus_records(z["tokens"])
         tokens, lens, kinds, temps = z["tokens"].astype(np.int64), z["lens"], z["kind"], z["temperature"]
     out, at = [], 0
     for (p, o), kind, t in zip(lens.tolist(), kinds.tolist(), temps.tolist()):
@@ -40,3 +44,11 @@ def unpack(path: Path) -> list[dict]:
                     "output": tokens[at + p: at + p + o].tolist()})
         at += p + o
     return out
+
+
+def _corpus_records(tokens: np.ndarray) -> list[dict]:
+    from specdec.corpus import SEP
+    ends = np.flatnonzero(tokens == SEP).tolist()
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    return [{"kind": "corpus", "temperature": -1.0, "prompt": [], "output": tokens[a:b].astype(np.int64).tolist()}
+            for a, b in zip(starts, ends) if b > a]
