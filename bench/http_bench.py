@@ -84,7 +84,17 @@ HELDOUT = ["What is the difference between baking soda and baking powder?", "How
            "What is the history of the Olympic Games in a few sentences?", "How do I negotiate a higher salary?",
            "Describe how coffee is grown and roasted.", "What should I do if my dog eats chocolate?",
            "How do noise-cancelling headphones work?", "Suggest a packing list for a beach holiday."]
-PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH, "heldout": HELDOUT}
+# Written on 2026-12-06 (fourth session) before the draft trained that day was measured, to compare drafts
+# on questions neither distillation run nor any choice of a setting has seen.
+UNSEEN = ["Why do cats purr?", "How do I fix a squeaky door hinge?", "What is the difference between weather and climate?",
+          "Write a short apology to a friend for missing their party.", "How does a microwave oven heat food?",
+          "What are good habits for keeping a tidy kitchen?", "Explain what inflation is to a teenager.",
+          "How can I tell if an egg is still fresh?", "Suggest a three-day itinerary for a first visit to Rome.",
+          "Why do we dream?", "How do I choose a good pair of running shoes?", "What is a black hole?",
+          "Give me tips for speaking confidently in a meeting.", "How do vaccines train the immune system?",
+          "Write a limerick about a forgetful robot.", "What should I consider before adopting a cat?"]
+PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH, "heldout": HELDOUT,
+               "unseen": UNSEEN}
 
 STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 
