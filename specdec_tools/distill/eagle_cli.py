@@ -82,9 +82,12 @@ def earlier_answers(files: list[str], answers: list[dict]) -> list[dict]:
     seen = {(tuple(r["prompt"]), tuple(r["output"])) for r in answers}
     out = []
     for f in files:
-        records = packed.unpack(f)
-        new = [r for r in records if (tuple(r["prompt"]), tuple(r["output"])) not in seen]
-        seen.update((tuple(r["prompt"]), tuple(r["output"])) for r in new)
+        records, new = packed.unpack(f), []
+        for r in records:
+            key = (tuple(r["prompt"]), tuple(r["output"]))
+            if key not in seen:
+                seen.add(key)
+                new.append(r)
         out += new
         print(f"{f}: {len(new)} of {len(records)} answers added ({sum(len(r['output']) for r in new)} tokens)",
               flush=True)
