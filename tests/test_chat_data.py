@@ -7,7 +7,24 @@ import json
 import pytest
 
 from specdec_tools.distill import chat, main
+from specdec_tools.distill.answers import read_jsonl
 from specdec_tools.distill.eagle_cli import _temperatures
+
+
+@pytest.fixture
+def five_topics(monkeypatch):
+    """Five everyday topics: at --heldout-chat-pct 30, three train and two are held out."""
+    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})
+
+
+def _pipeline_args(tiny_dir, chat_answers: int, follow_up_frac: float = 0.0) -> list[str]:
+    """`specdec-distill --arch eagle` on the tiny target, sized for seconds: answers only (no training steps)."""
+    return ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
+            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
+            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
+            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
+            "--chat-answers", str(chat_answers), "--questions-per-topic", "1",
+            "--follow-up-frac", str(follow_up_frac), "--heldout-chat-pct", "30"]
 
 
 def test_topic_split_is_disjoint_and_covers_every_domain_kind():
@@ -74,14 +91,8 @@ def test_temperatures_and_follow_ups():
     assert two[0].messages[:1] == items[0].messages and two[0].messages[1]["content"] == "An answer."
 
 
-def test_chat_answers_pipeline_resumes_and_mixes_temperatures(tiny_dir, tmp_path, one_thread, monkeypatch):
-    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})  # 3 train, 2 held out
-    args = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
-            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
-            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
-            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
-            "--chat-answers", "20", "--questions-per-topic", "1", "--follow-up-frac", "0.25",
-            "--heldout-chat-pct", "30"]
+def test_chat_answers_pipeline_resumes_and_mixes_temperatures(tiny_dir, tmp_path, one_thread, five_topics):
+    args = _pipeline_args(tiny_dir, chat_answers=20, follow_up_frac=0.25)
     work = tmp_path / "d.work"
     m = main([*args, "--out", str(tmp_path / "d")])
     first = [json.loads(x) for x in (work / "chat_answers.jsonl").read_text().splitlines()]
@@ -111,14 +122,9 @@ def test_chat_answers_pipeline_resumes_and_mixes_temperatures(tiny_dir, tmp_path
 
 
 def test_chat_seed_makes_new_conversations_and_keeps_the_split_and_the_code_data(tiny_dir, tmp_path, one_thread,
-                                                                               monkeypatch):
-    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})  # 3 train, 2 held out
-    args = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
-            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
-            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
-            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
-            "--chat-answers", "12", "--questions-per-topic", "1", "--follow-up-frac", "0", "--heldout-chat-pct", "30"]
-    read = lambda work, name: [json.loads(x) for x in (work / name).read_text().splitlines()]  # noqa: E731
+                                                                               five_topics):
+    args = _pipeline_args(tiny_dir, chat_answers=12)
+    read = lambda work, name: read_jsonl(work / name)  # noqa: E731
     runs = {}
     for seed in (None, 0, 1):
         work = tmp_path / f"seed{seed}.work"
@@ -133,25 +139,18 @@ def test_chat_seed_makes_new_conversations_and_keeps_the_split_and_the_code_data
     assert {r["topic"] for r in read(runs[1], "questions.jsonl")} <= train
 
 
-def test_packed_answers_carry_a_run_s_data_into_the_next(tiny_dir, tmp_path, one_thread, monkeypatch):
+def test_packed_answers_carry_a_run_s_data_into_the_next(tiny_dir, tmp_path, one_thread, five_topics):
     from specdec_tools.distill import packed
-    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})
-    args = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", "64", "--seq-len", "128",
-            "--batch-tokens", "512", "--corpus-limit", "50", "--answers", "2", "--gen-batch", "8",
-            "--gen-tokens", "12", "--text-tokens", "256", "--eval-prompts", "0", "--threads", "1",
-            "--dtype-teacher", "float32", "--save-dtype", "float32", "--steps", "0",
-            "--chat-answers", "6", "--questions-per-topic", "1", "--follow-up-frac", "0", "--heldout-chat-pct", "30"]
+    args = _pipeline_args(tiny_dir, chat_answers=6)
     f = tmp_path / "run1.npz"
     m = main([*args, "--out", str(tmp_path / "a"), "--pack-data", str(f)])
     assert m["data"]["answers"] == 8
-    made = [json.loads(x) for name in ("answers.jsonl", "chat_answers.jsonl")
-            for x in (tmp_path / "a.work" / name).read_text().splitlines()]
+    made = [r for name in ("answers.jsonl", "chat_answers.jsonl") for r in read_jsonl(tmp_path / "a.work" / name)]
     keep = lambda r: (r["kind"], r["temperature"], r["prompt"], r["output"])  # noqa: E731
     assert sorted(map(keep, packed.unpack(f))) == sorted(map(keep, made))
     # a later run with other conversations trains on both; its own answers and a repeated file count once
     m = main([*args, "--out", str(tmp_path / "b"), "--chat-seed", "1", "--data", str(f), str(f)])
-    own = [json.loads(x) for name in ("answers.jsonl", "chat_answers.jsonl")
-           for x in (tmp_path / "b.work" / name).read_text().splitlines()]
+    own = [r for name in ("answers.jsonl", "chat_answers.jsonl") for r in read_jsonl(tmp_path / "b.work" / name)]
     distinct = {(tuple(r["prompt"]), tuple(r["output"])) for r in made + own}
     assert len(own) == 8 and len(distinct) > 8  # the same two code answers; new conversations
     assert m["data"]["answers"] == len(distinct)
