@@ -91,6 +91,20 @@ class EagleDraft(Transformer):
         self.token_map = token_map.to(w.device)
         self.inv_freq, self.attention_scaling = target.inv_freq, target.attention_scaling
 
+    @torch.no_grad()
+    def load_grown(self, state: dict[str, Tensor]) -> None:
+        """Load a checkpoint's trained state (`trained_state`) that has fewer decoder layers than this
+        draft: its layers first, then each extra layer as the identity (its attention and MLP output
+        projections zero, so the residual stream passes through). The grown draft then computes exactly
+        what the checkpoint does, and training only adds to it (as `fuse` starts at the identity)."""
+        have = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.")), default=-1)
+        if have > len(self.layers):
+            raise ValueError(f"the checkpoint has {have} decoder layers, this draft {len(self.layers)}")
+        self.load_state_dict(state, strict=False)
+        for layer in self.layers[have:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
     def trained_state(self) -> dict[str, Tensor]:
         """What a checkpoint stores: fc and the decoder layers (not the shared embedding/head)."""
         return {k: v for k, v in self.state_dict().items() if k.startswith(("fuse.", "fc.", "layers."))}

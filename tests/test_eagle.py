@@ -297,3 +297,29 @@ def test_fused_features_are_cached_and_trained(target, tmp_path):
     loss, info = eagle_loss(draft, feats, toks, mask, EagleTrainConfig(draft_steps=3, noise=0.0))
     loss.backward()
     assert "top1_step3" in info and bool(draft.fuse.weight.grad[:, :H].abs().sum() > 0)
+
+
+def test_a_grown_draft_starts_as_its_source_and_is_lossless(target, prompts, tiny_tok, tiny_dir, tmp_path):
+    """`load_grown`: a two-layer draft loaded from a one-layer one proposes exactly what its source
+    proposes (the new layer starts as the identity); once the new layer is trained (here: perturbed)
+    its proposals change, greedy output still equals plain decoding, and the checkpoint round-trips."""
+    ref = run(engine(target, None), prompts, greedy())
+    draft = make_eagle(target, vocab=target.args.vocab_size)
+    grown = EagleDraft.for_target(target, draft.token_map, num_layers=2).eval()
+    grown.load_grown(draft.trained_state())
+    source_p, grown_p = Drafts(draft, 8, 512), Drafts(grown, 8, 512)
+    assert run(engine(target, source_p), prompts, greedy()) == ref
+    assert run(engine(target, grown_p), prompts, greedy()) == ref
+    assert grown_p.proposed == source_p.proposed and sum(map(len, sum(source_p.proposed, []))) > 20
+    with torch.no_grad():
+        for p in grown.layers[1].parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    perturbed = Drafts(grown, 8, 512)
+    assert run(engine(target, perturbed), prompts, greedy()) == ref
+    assert perturbed.proposed != source_p.proposed
+    grown.save(tmp_path / "grown", tiny_tok, {"target": str(tiny_dir)}, dtype=torch.float32)
+    again = load_eagle(tmp_path / "grown", target)
+    assert len(again.layers) == 2
+    assert all(torch.equal(v, again.trained_state()[k]) for k, v in grown.trained_state().items())
+    with pytest.raises(ValueError, match="2 decoder layers"):
+        make_eagle(target).load_grown(grown.trained_state())

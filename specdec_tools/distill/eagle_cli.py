@@ -50,7 +50,12 @@ def add_arguments(p) -> None:
                    help="packed answers of earlier runs (specdec_tools.distill.packed) trained on beside this run's")
     g.add_argument("--pack-data", metavar="FILE", help="pack this run's answers into FILE (.npz) for later runs' --data")
     g.add_argument("--init-draft", help="start from this EAGLE draft's fuse, fc and layers (fine-tuning; its "
-                   "vocabulary is replaced by the one selected from this run's data)")
+                   "vocabulary is replaced by the one selected from this run's data, unless --init-vocab)")
+    g.add_argument("--init-vocab", action="store_true",
+                   help="with --init-draft: keep that draft's vocabulary (its head rows) instead of selecting one")
+    g.add_argument("--eagle-layers", type=int,
+                   help="decoder layers of the draft (default: --init-draft's, else 1). Layers beyond --init-draft's "
+                   "start as the identity (EagleDraft.load_grown): the grown draft starts as the one it grows from")
     c = p.add_argument_group("everyday chat data (specdec_tools.distill.chat)")
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
     c.add_argument("--chat-minutes", type=float,
@@ -174,16 +179,21 @@ def run(args, argv: list[str]) -> dict:
     print(f"teacher features: {len(cache.tokens)} rows, {cache.num_tokens} tokens", flush=True)
 
     ckpt = torch.load(work / "ckpt.pt", weights_only=False) if args.resume and (work / "ckpt.pt").is_file() else None
+    init = load_eagle(args.init_draft, target, torch.float32) if args.init_draft else None
     if ckpt is not None:
         kept, vocab_info = ckpt["token_map"], ckpt.get("vocab_info", {})
+    elif init is not None and args.init_vocab:
+        kept, vocab_info = init.token_map.tolist(), {"from": str(args.init_draft)}
     else:
         kept, vocab_info = cache.select_vocab(args.draft_vocab, special_ids(tok, target_cfg))
     print(f"draft vocabulary: {len(kept)} tokens covering {vocab_info.get('coverage')} of the target's "
           f"greedy predictions on the training rows", flush=True)
-    draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long), feature_layers=args.feature_layers)
-    if args.init_draft and ckpt is None:
-        draft.load_state_dict(load_eagle(args.init_draft, target, torch.float32).trained_state(), strict=False)
-        print(f"initialised from {args.init_draft}", flush=True)
+    layers = args.eagle_layers or (len(init.layers) if init is not None else 1)
+    draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long), layers,
+                                  feature_layers=args.feature_layers)
+    if init is not None and ckpt is None:
+        draft.load_grown(init.trained_state())
+        print(f"initialised from {args.init_draft} ({len(init.layers)} of {layers} layers)", flush=True)
     cfg = EagleTrainConfig(minutes=args.minutes, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                            warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise, draft_steps=args.train_steps,
                            save_minutes=args.save_minutes, seed=args.seed, amp=not args.no_amp)
@@ -206,16 +216,17 @@ def write_model_card(out: Path, extra: dict) -> Path:
     m = extra.get("metrics", {})
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     acc = m.get("acceptance", {})
-    taps = json.loads((out / "config.json").read_text()).get("feature_layers") or []
+    config = json.loads((out / "config.json").read_text())
+    taps, n = config.get("feature_layers") or [], config["num_hidden_layers"]
     feature = (f"[the target's layers {taps} (RMS-normalized) and final-norm feature, fused by a linear map (EAGLE-3, "
                "Li et al. 2025)" if taps else "[the target's final-norm feature")
     lines = [
         f"# EAGLE-style draft for `{extra.get('target')}`", "",
-        f"One decoder layer over {feature}, the next token's embedding] that",
+        f"{'One decoder layer' if n == 1 else f'{n} decoder layers'} over {feature}, the next token's embedding] that",
         "predicts the target's next feature (Li et al. 2024, EAGLE-1), with the target's own embedding and",
         f"the target's head rows for {len(extra.get('draft_vocab', []))} tokens (FR-Spec, Zhao et al. 2025) "
         "shared at load time, so",
-        f"only {'fuse, ' if taps else ''}the fc and the layer are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
+        f"only {'fuse, ' if taps else ''}the fc and the {'layer' if n == 1 else 'layers'} are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
         "Load it with `proposer=eagle draft=<this directory>` (or `proposer=hybrid`); see specdec/eagle_draft.py.", "",
         "## How it was made", "", "```bash", extra.get("command", ""), "```", "",
         f"- data: {m.get('data', {})}",
