@@ -257,3 +257,31 @@ def test_packed_weights_follow_the_weights_and_keep_rows_invariant(tiny_dir, dty
     head.weight = w
     head(torch.randn(2, head.in_features, dtype=dtype)).sum().backward()  # autograd: F.linear
     assert w.grad is not None
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_linear_rows_do_not_depend_on_rows_per_call(packed, threads, monkeypatch):
+    """A bf16 linear row (the demo target's MLP and head widths) is bit-identical however many rows
+    share the call, from 1 up to 3 x LINEAR_ROWS: on a Xeon with AMX, oneDNN's kernels change at 33
+    rows, which made a verification of 8 rows x 5 positions differ from plain steps (bench/linear_rows.py)."""
+    from specdec import model as model_mod
+    from specdec.model import LINEAR_ROWS, Linear
+
+    if not packed:
+        monkeypatch.setattr(model_mod, "_PACKABLE", {})
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    try:
+        for out_features in (3072, 8192):
+            lin = Linear(576, out_features, bias=False, dtype=torch.bfloat16)
+            x = torch.randn(3 * LINEAR_ROWS, 576, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                alone = torch.cat([lin(x[i: i + 1]) for i in range(len(x))])
+                for m in (2, 8, LINEAR_ROWS, LINEAR_ROWS + 1, 40, 2 * LINEAR_ROWS + 5, 3 * LINEAR_ROWS):
+                    together = torch.cat([lin(x[i: i + m]) for i in range(0, len(x), m)])
+                    assert torch.equal(together, alone), (out_features, m)
+                assert torch.equal(lin(x.view(4, -1, 576)).view(len(x), -1), alone)  # 3-D input, as the model's
+    finally:
+        torch.set_num_threads(saved)
