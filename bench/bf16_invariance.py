@@ -92,26 +92,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--draft", default="smollm2-eagle", help="EAGLE draft for the hybrid row ('' = skip)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per round (batch x (k + 1) rows per verify)")
+    ap.add_argument("--invariant-only", action="store_true", help="skip position_invariant off")
+    ap.add_argument("--linear-rows", type=int, help="specdec.model.LINEAR_ROWS for this run (e.g. 4096: one "
+                    "call for every row, as before the chunking)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.linear_rows:
+        import specdec.model
+        specdec.model.LINEAR_ROWS = a.linear_rows
     tok = load_tokenizer("smollm2")
     model = load_model("smollm2", dtype=torch.bfloat16)
     ps = prompts(tok, a.prompts)
     rows = []
-    for exact in (False, True):
+    for exact in (True,) if a.invariant_only else (False, True):
         model.exact_positions = exact
         diff, flips = rows_check(model, ps[0] + tok(" The water cycle moves water between the sea, the air "
                                                     "and the land, again and again.").input_ids)
         ref, plain_tps = generate(model, tok, ps, None, 0, a.max_tokens, a.batch)
         _, plain1_tps = generate(model, tok, ps[:2], None, 0, a.max_tokens // 2, 1)
-        proposers = [("ngram k=3", lambda: NgramProposer())]
+        proposers = [(f"ngram k={a.k}", lambda: NgramProposer())]
         if a.draft:
             from specdec.eagle_draft import load_eagle
             draft = load_eagle(a.draft, model, torch.bfloat16)
-            proposers.append(("hybrid k=3", lambda: HybridProposer(NgramProposer(min_n=3, max_n=5),
+            proposers.append((f"hybrid k={a.k}", lambda: HybridProposer(NgramProposer(min_n=3, max_n=5),
                                                                    EagleProposer(draft, a.batch, 1024))))
         for name, make in tqdm(proposers, desc=f"exact={exact}", leave=False):
-            out, spec_tps = generate(model, tok, ps, make(), 3, a.max_tokens, a.batch)
+            out, spec_tps = generate(model, tok, ps, make(), a.k, a.max_tokens, a.batch)
             differ = [next(j for j, (x, y) in enumerate(zip(r, o)) if x != y) for r, o in zip(ref, out) if r != o]
             rows.append((exact, name, diff, flips, len(differ), len(ps), sorted(differ)[:6], plain1_tps, plain_tps,
                          spec_tps, step_ms(model, 1), step_ms(model, 4)))

@@ -7,7 +7,8 @@ the row is computed in a plain step (a few rows per linear call) or in a verific
 (k + 1) rows). For each linear shape of the demo target and its draft, oneDNN's prepacked matmul
 (`PackedWeight`'s kernel) runs 96 random rows in calls of m rows, m = 1 .. --max-rows, and the
 table lists the call sizes whose rows differ from rows computed one call each, as the raw kernel
-does and through `PackedWeight.linear` (which splits calls above `LINEAR_ROWS` rows).
+does and through `PackedWeight.linear` on a batch of one-position rows (which it splits into calls of
+at most `LINEAR_ROWS` rows).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def main() -> None:
                 raw = differing(lambda r: torch.ops.mkldnn._linear_pointwise(r, packed, None, "none", [], ""), x,
                                 a.max_rows)
                 pw = PackedWeight()
-                ours = differing(lambda r: pw.linear(r, w, None), x, a.max_rows)
+                ours = differing(lambda r: pw.linear(r[:, None], w, None)[:, 0], x, a.max_rows)  # a batch of rows
                 print(f"| {threads} | {name} | {n}x{k} | {spans(raw)} | {spans(ours)} |")
 
 

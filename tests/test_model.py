@@ -126,7 +126,8 @@ def _logits_by_chunks(model, ids, start, chunk, batch=1):
     model.setup_cache(batch, len(ids) + 8)
     slots = torch.arange(batch)
     with torch.inference_mode():
-        model(torch.tensor([ids[:start]] * batch), slots, torch.zeros(batch, dtype=torch.long))
+        for s in range(batch):  # prompts longer than SHORT_ROW prefill alone, as run_ragged runs them
+            model(torch.tensor([ids[:start]]), slots[s: s + 1], torch.zeros(1, dtype=torch.long))
         out = []
         for c in range(start, len(ids), chunk):
             toks = ids[c: c + chunk]
@@ -262,9 +263,10 @@ def test_packed_weights_follow_the_weights_and_keep_rows_invariant(tiny_dir, dty
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_linear_rows_do_not_depend_on_rows_per_call(packed, threads, monkeypatch):
-    """A bf16 linear row (the demo target's MLP and head widths) is bit-identical however many rows
-    share the call, from 1 up to 3 x LINEAR_ROWS: on a Xeon with AMX, oneDNN's kernels change at 33
-    rows, which made a verification of 8 rows x 5 positions differ from plain steps (bench/linear_rows.py)."""
+    """A bf16 linear row (the demo target's MLP and draft head widths) is bit-identical however many rows
+    of a batched forward share the call, from 1 up to 3 x LINEAR_ROWS: on a Xeon with AMX, oneDNN's
+    kernels change at 33 rows, which made a verification of 8 rows x 5 positions differ from plain
+    steps (bench/linear_rows.py)."""
     from specdec import model as model_mod
     from specdec.model import LINEAR_ROWS, Linear
 
@@ -276,12 +278,12 @@ def test_bf16_linear_rows_do_not_depend_on_rows_per_call(packed, threads, monkey
     try:
         for out_features in (3072, 8192):
             lin = Linear(576, out_features, bias=False, dtype=torch.bfloat16)
-            x = torch.randn(3 * LINEAR_ROWS, 576, dtype=torch.bfloat16)
+            x = torch.randn(3 * LINEAR_ROWS, 1, 576, dtype=torch.bfloat16)  # rows of one position each
             with torch.inference_mode():
                 alone = torch.cat([lin(x[i: i + 1]) for i in range(len(x))])
                 for m in (2, 8, LINEAR_ROWS, LINEAR_ROWS + 1, 40, 2 * LINEAR_ROWS + 5, 3 * LINEAR_ROWS):
                     together = torch.cat([lin(x[i: i + m]) for i in range(0, len(x), m)])
                     assert torch.equal(together, alone), (out_features, m)
-                assert torch.equal(lin(x.view(4, -1, 576)).view(len(x), -1), alone)  # 3-D input, as the model's
+                assert torch.equal(lin(x.view(8, -1, 576)).view(len(x), 1, -1), alone)  # 8 rows x 12 positions
     finally:
         torch.set_num_threads(saved)
