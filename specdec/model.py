@@ -161,9 +161,10 @@ PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for (rows of a s
 # linear shape of the demo target and its draft, 1 and 2 threads: bench/linear_rows.py), so a
 # verification of 8 rows x 5 positions differed in the last bits from the plain steps of the same rows
 # and speculative greedy output left plain decoding's (29 of 32 answers at k = 4, batch 8; the EPYC these
-# limits were first measured on has no such step). A batched forward (decode, verification: more than
-# one row) of more rows runs in chunks of this many (+23% for 8 rows x 5 positions); a lone row's
-# forward is one call (a prefill: long prompts run alone, the same in plain and speculative decoding).
+# limits were first measured on has no such step). Calls of more rows run in chunks of this many: +23% for
+# 8 rows x 5 positions, +30% for a 64-token prefill. Prefills too: a row's first call holds its prompt plus
+# its drafts in speculative decoding and the prompt alone in plain decoding, and calls of 33 rows or more
+# do not even agree with each other (a version that left a lone row's calls whole diverged in 3 of 32).
 LINEAR_ROWS = 32
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -205,10 +206,9 @@ class PackedWeight:
     def linear(self, x: Tensor, w: Tensor, b: Tensor | None, parts: tuple[Tensor, ...] = ()) -> Tensor:
         """F.linear(x, w, b); `parts`: tensors that `w` is made of whose in-place changes it does
         not see in its own version counter (FusedLinear's layers, whose weights are views set via .data).
-        Reduced-precision CPU inference over more than LINEAR_ROWS rows of a batch (x [B > 1, T, in])
-        runs in chunks of that many."""
+        Reduced-precision CPU inference over more than LINEAR_ROWS rows runs in chunks of that many."""
         rows = x.numel() // max(1, x.shape[-1])
-        if (rows > LINEAR_ROWS and x.dim() == 3 and x.shape[0] > 1 and x.dtype in _REDUCED and x.device.type == "cpu"
+        if (rows > LINEAR_ROWS and x.dtype in _REDUCED and x.device.type == "cpu"
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             chunks = x.reshape(rows, x.shape[-1]).split(LINEAR_ROWS)
             return torch.cat([self._linear(c, w, b, parts) for c in chunks]).view(*x.shape[:-1], -1)

@@ -126,8 +126,7 @@ def _logits_by_chunks(model, ids, start, chunk, batch=1):
     model.setup_cache(batch, len(ids) + 8)
     slots = torch.arange(batch)
     with torch.inference_mode():
-        for s in range(batch):  # prompts longer than SHORT_ROW prefill alone, as run_ragged runs them
-            model(torch.tensor([ids[:start]]), slots[s: s + 1], torch.zeros(1, dtype=torch.long))
+        model(torch.tensor([ids[:start]] * batch), slots, torch.zeros(batch, dtype=torch.long))
         out = []
         for c in range(start, len(ids), chunk):
             toks = ids[c: c + chunk]
@@ -264,9 +263,9 @@ def test_packed_weights_follow_the_weights_and_keep_rows_invariant(tiny_dir, dty
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_linear_rows_do_not_depend_on_rows_per_call(packed, threads, monkeypatch):
     """A bf16 linear row (the demo target's MLP and draft head widths) is bit-identical however many rows
-    of a batched forward share the call, from 1 up to 3 x LINEAR_ROWS: on a Xeon with AMX, oneDNN's
-    kernels change at 33 rows, which made a verification of 8 rows x 5 positions differ from plain
-    steps (bench/linear_rows.py)."""
+    share the call, from 1 up to 3 x LINEAR_ROWS, batched or as one row's positions: on a Xeon with AMX,
+    oneDNN's kernels change at 33 rows, which made a verification of 8 rows x 5 positions differ from
+    plain steps (bench/linear_rows.py)."""
     from specdec import model as model_mod
     from specdec.model import LINEAR_ROWS, Linear
 
@@ -285,5 +284,6 @@ def test_bf16_linear_rows_do_not_depend_on_rows_per_call(packed, threads, monkey
                     together = torch.cat([lin(x[i: i + m]) for i in range(0, len(x), m)])
                     assert torch.equal(together, alone), (out_features, m)
                 assert torch.equal(lin(x.view(8, -1, 576)).view(len(x), 1, -1), alone)  # 8 rows x 12 positions
+                assert torch.equal(lin(x.view(1, -1, 576)).view(len(x), 1, -1), alone)  # one row's 96 positions
     finally:
         torch.set_num_threads(saved)
