@@ -156,7 +156,7 @@ class BatchIndex:
 
 
 PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for (rows of a step at batch 1: see `lone`)
-# Rows per reduced-precision CPU matmul call in batched forwards. On a Xeon with AMX, oneDNN's bf16
+# Rows per reduced-precision CPU matmul call. On a Xeon with AMX, oneDNN's bf16
 # kernels give a row the same result for every call of 1 to 32 rows, and another from 33 rows up (every
 # linear shape of the demo target and its draft, 1 and 2 threads: bench/linear_rows.py), so a
 # verification of 8 rows x 5 positions differed in the last bits from the plain steps of the same rows
