@@ -93,8 +93,18 @@ UNSEEN = ["Why do cats purr?", "How do I fix a squeaky door hinge?", "What is th
           "Why do we dream?", "How do I choose a good pair of running shoes?", "What is a black hole?",
           "Give me tips for speaking confidently in a meeting.", "How do vaccines train the immune system?",
           "Write a limerick about a forgetful robot.", "What should I consider before adopting a cat?"]
+# Written on 2026-12-06 (sixth session, a Xeon with AMX) before any measurement on them, to re-measure
+# the service on this machine after the bf16 row-chunking fix.
+TODAY = ["How do I keep basil alive indoors?", "What makes the sky turn red at sunset?",
+         "Write a two-sentence invitation to a book club meeting.", "How do airplanes stay in the air?",
+         "What is the difference between a virus and a bacterium?", "Give me five tips for sleeping better.",
+         "Explain what a budget is and how to make one.", "Why do leaves change colour in autumn?",
+         "How do I politely decline a job offer?", "What is photosynthesis, in simple terms?",
+         "Suggest a healthy breakfast I can make in ten minutes.", "How does a bicycle gear system work?",
+         "Write a haiku about the first snow of winter.", "What are the main causes of traffic jams?",
+         "How can I teach a child to tie their shoes?", "Why is the ocean salty?"]
 PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH, "heldout": HELDOUT,
-               "unseen": UNSEEN}
+               "unseen": UNSEEN, "today": TODAY}
 
 STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 

@@ -19,7 +19,11 @@ safeguard sits on top: per batch-size bucket the cost model keeps the tokens per
 speculative and plain rounds actually obtained (`observe_throughput`), and while speculative
 rounds yield fewer (`speculation_loses`), the scheduler keeps adaptive rows plain except for one
 probing round every `throttle_probe_every` rounds of that bucket, whose measurement lets
-speculation come back when it wins again. The same measurement also corrects the model the other
+speculation come back when it wins again. Such a probe, like any drafting round right after plain
+ones, has its draft catch up on the plain rounds' tokens (with 16 rows: 55-75 ms against the 4-6
+ms of a drafting round after a drafting one): a cost of switching, not of speculating, so the
+round is measured with its draft steps priced at the steady step cost (`draft_seconds`) instead;
+charged in full, every probe lost and kept speculation off where it wins. The same measurement also corrects the model the other
 way: while speculative rounds measurably yield more than plain ones (`speculation_wins`, by a
 margin), rows whose model says k = 0 speculate anyway, with the model's best k >= 1. The
 safeguard averages a round's seconds over a few recent rounds (costs move with the machine) and
@@ -137,11 +141,14 @@ class CostModel:
         """Batch sizes share measurements by power-of-two bucket (1, 2, 4, 8, ...)."""
         return 1 << max(0, batch - 1).bit_length()
 
-    def observe(self, k_max: int, draft_time: float, draft_steps: int, target_time: float, batch: int = 1) -> None:
+    def observe(self, k_max: int, draft_time: float, draft_steps: int, target_time: float, batch: int = 1,
+                catch_up: bool = False) -> None:
+        """A round's costs. `catch_up`: its draft also caught up on plain rounds' tokens, so its
+        time is no draft step's (the target's forward is measured as usual)."""
         batch = self.bucket(batch)
         self.rounds += 1
         n = self.bucket_rounds[batch] = self.bucket_rounds.get(batch, 0) + 1
-        if draft_steps > 0:
+        if draft_steps > 0 and not catch_up:
             self.draft_step[batch] = self._upd(self.draft_step.get(batch), draft_time / draft_steps)
         self.target[(batch, k_max)] = self._upd(self.target.get((batch, k_max)), target_time)
         if k_max == 0:
@@ -248,6 +255,13 @@ class CostModel:
         if self._throughput_rows(b, False) < self.throughput_min_rows:
             return since >= self.calibration_spacing  # the safeguard needs plain rounds' tokens/s
         return since >= self.recalibrate_every
+
+    def draft_seconds(self, batch: int, steps: int) -> float:
+        """Seconds of `steps` draft steps at this bucket as a drafting round after a drafting one
+        pays them (measured; before that, the prior c times a plain round)."""
+        b = self.bucket(batch)
+        step = self.draft_step.get(b)
+        return steps * (step if step is not None else self.prior_c * self.target.get((b, 0), 0.0))
 
     def c(self, batch: int = 1) -> float:
         """Draft step cost / plain target round cost at batch size B."""

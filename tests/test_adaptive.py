@@ -115,9 +115,10 @@ def test_pinned_row_does_not_starve_adaptive_rows():
 
 def test_rows_draft_along_in_a_round_that_drafts_anyway():
     """A row whose own k would be 0 (acceptance estimate 0.05) shares a batch with a row that
-    drafts 3: the round verifies 4 positions for both, so the first row drafts 3 too. A request's
-    own k is kept."""
+    drafts 3 where verifying is nearly free: the round verifies 4 positions for both, so the first
+    row drafts 3 too. A request's own k is kept."""
     sched = Scheduler(SchedulerConfig(max_batch_size=4, k_max=3))
+    sched.cost.prior_slope = 0.02  # a position more costs 2% of a plain round (batch 1-3 in bf16)
     good, poor = sched.add(_seq(temperature=0)), sched.add(_seq(temperature=0))
     pinned = sched.add(_seq(temperature=0, num_speculative_tokens=1))
     good.adaptive.succ, good.adaptive.trials = 95.0, 100.0
@@ -132,11 +133,34 @@ def test_rows_draft_along_in_a_round_that_drafts_anyway():
     assert ks == {good.seq_id: 3, poor.seq_id: 3, pinned.seq_id: 1}, ks
 
 
+@pytest.mark.parametrize("slope, expected", [(0.25, 1), (0.0, 3)])
+def test_the_round_k_is_the_batch_optimum_not_the_longest_wish(slope, expected):
+    """Every row pays the verify of the longest k in the round, so the round's k maximizes the
+    batch's expected tokens per round cost: one row at acceptance 0.95 among fifteen at 0.5 would
+    draft 3 for itself, but where a verified position costs a quarter of a plain round (16 rows on
+    a 2-core CPU) the batch gets more from 1 (and where positions are free, from 3)."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=16, k_max=3))
+    sched.cost.prior_slope = slope
+    rows = [sched.add(_seq(temperature=0)) for _ in range(16)]
+    for i, s in enumerate(rows):
+        s.adaptive.succ, s.adaptive.trials, s.adaptive.off_rounds = (95.0 if i == 0 else 50.0), 100.0, 0
+        s.target_offset = len(s.tokens)  # prefilled
+    sched.cost.needs_plain_round = lambda batch: False
+    assert rows[0].adaptive.choose(sched.cost, batch=16) == 3  # its own wish, whatever the slope
+    ks = sched.plan().draft_batch.num_draft
+    assert ks == [expected] * 16, ks
+
+    def per_cost(K):
+        return sum(expected_tokens(s.adaptive.acceptance, K) for s in rows) / sched.cost.round_cost(K, True, 16)
+    assert per_cost(expected) == max(per_cost(K) for K in (1, 2, 3))
+
+
 def test_rows_draft_nothing_in_their_prefill_round():
     """A row the target has not prefilled yet drafts nothing (no features for a model draft, and a
     Draft call would delay its prefill), nor rides along in a round that drafts anyway; a running
     row beside it keeps its k, and so does a request's own k."""
     sched = Scheduler(SchedulerConfig(max_batch_size=4, k_max=3))
+    sched.cost.prior_slope = 0.0  # verified positions free: the running row's k of 3 is the batch's too
     running, new = sched.add(_seq(temperature=0)), sched.add(_seq(temperature=0))
     pinned = sched.add(_seq(temperature=0, num_speculative_tokens=2))
     for s in (running, new):
