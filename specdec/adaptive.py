@@ -35,10 +35,10 @@ so a k never measured at a bucket is priced as the longest measured one below it
 and the round that picks it measures it.
 
 Probing has a floor too (`cannot_pay`): once a bucket's measured costs say that no k would beat a
-plain round even at acceptance 0.9 (E(k) tokens for `round_cost(k)`), as for 16 rows on a 2-core
-CPU, where a probe's draft call catches up on every row's tokens since the last one and costs
-more than a plain step, a probe cannot find a row worth speculating for and only costs a dear
-round: adaptive rows stay plain there, and one probe every `recheck_every` rounds re-measures.
+plain round even at acceptance 0.9 (E(k) tokens for `round_cost(k)`), as where a verify costs
+about as many plain rounds as the positions it computes, a probe cannot find a row worth
+speculating for and only costs a dear round: adaptive rows stay plain there, and one probe every
+`recheck_every` rounds re-measures.
 """
 from __future__ import annotations
 
