@@ -155,6 +155,43 @@ def test_the_round_k_is_the_batch_optimum_not_the_longest_wish(slope, expected):
     assert per_cost(expected) == max(per_cost(K) for K in (1, 2, 3))
 
 
+def _run_catch_up_rounds(verify_s: float, rounds: int = 300) -> list[int]:
+    """16 rows whose drafts are all accepted (k_max 1): a plain round takes 45 ms; a drafting one
+    `verify_s` in the target plus a draft call of 5 ms, 5 ms more per plain round since the last
+    drafting one and 50 ms more in the first (the draft catches up on those rounds' tokens and on
+    the prompts, as an EAGLE draft does on their features). Returns each round's K."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=16, k_max=1))
+    for _ in range(16):
+        sched.add(_seq(temperature=0))
+    history, since = [], 0
+    for _ in range(rounds):
+        plan = sched.plan()
+        ks = plan.draft_batch.num_draft
+        K = max(ks)
+        draft = DraftOutput(torch.full((16, K), 7), list(ks), draft_steps=K)
+        sched.target_batch(plan, draft)
+        draft_s = 0.005 * (1 + since) + (0.05 if K and not any(history) else 0.0) if K else 0.0
+        since = 0 if K else since + 1
+        target_s = verify_s if K else 0.045
+        verify = VerifyOutput([[7] * (k + 1) for k in ks], list(ks))
+        sched.commit(plan, draft, verify, draft_s, target_s, draft_s + target_s)
+        history.append(K)
+    return history
+
+
+def test_probes_are_not_charged_the_drafts_catch_up():
+    """Speculating every round yields 32 tokens in 60 ms against a plain round's 16 in 45 ms, but a
+    drafting round after n plain ones pays the draft's catch-up on their tokens (5 ms each here;
+    measured with 16 rows: 55-75 ms against 4-6 ms). Charged to speculation, the first drafting
+    rounds lose, the safeguard throttles, every probe is again a catch-up, and speculation stays off
+    where it wins; priced at the steady draft cost, it stays on. Where the verify itself loses
+    (100 ms), the safeguard still keeps rows plain."""
+    wins = _run_catch_up_rounds(verify_s=0.055)[100:]
+    assert sum(K > 0 for K in wins) >= 0.9 * len(wins), wins
+    loses = _run_catch_up_rounds(verify_s=0.1)[100:]
+    assert sum(K > 0 for K in loses) <= 0.15 * len(loses), loses
+
+
 def test_rows_draft_nothing_in_their_prefill_round():
     """A row the target has not prefilled yet drafts nothing (no features for a model draft, and a
     Draft call would delay its prefill), nor rides along in a round that drafts anyway; a running
