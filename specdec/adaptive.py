@@ -23,8 +23,8 @@ speculation come back when it wins again. Such a probe, like any drafting round 
 ones, has its draft catch up on the plain rounds' tokens (with 16 rows: 55-75 ms against the 4-6
 ms of a drafting round after a drafting one): a cost of switching, not of speculating, so the
 round is measured with its draft steps priced at the steady step cost (`draft_seconds`) instead;
-charged in full, every probe lost and kept speculation off where it wins. The same measurement also corrects the model the other
-way: while speculative rounds measurably yield more than plain ones (`speculation_wins`, by a
+charged in full, every probe lost and kept speculation off where it wins. The same measurement
+also corrects the model the other way: while speculative rounds measurably yield more than plain ones (`speculation_wins`, by a
 margin), rows whose model says k = 0 speculate anyway, with the model's best k >= 1. The
 safeguard averages a round's seconds over a few recent rounds (costs move with the machine) and
 its tokens over more (they vary with acceptance from one round to the next, which each row's k

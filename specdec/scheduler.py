@@ -226,8 +226,8 @@ class Scheduler:
         prefilling rows keep theirs) and every row pays the (K + 1)-position verify, so K is the
         length that maximizes the whole batch's expected tokens per round cost, not the longest
         any row wants for itself. At 16 rows on a 2-core CPU a verify costs about the positions it
-        computes, and one row's K = 3 made the batch lose to plain decoding where K = 1 wins
-        (bf16, chat: 0.94x vs 1.11x)."""
+        computes, and rounds at one eager row's K = 3 lost to plain decoding where K = 1 gives
+        1.10x (bf16, chat)."""
         fixed = [not self._rides_along(s) for s in seqs]
         floor = max((k for k, f in zip(ks, fixed) if f), default=0)
 
@@ -238,10 +238,10 @@ class Scheduler:
         return max(range(max(1, floor), max(ks) + 1), key=score)
 
     def _rides_along(self, seq: Sequence) -> bool:
-        """In a round that drafts K tokens, an adaptive row whose own k is shorter drafts K too: its
-        extra drafts fill positions the batch's verify computes anyway (rows are padded to K + 1)
-        and ride on draft steps the longest row takes anyway, so they cost nearly nothing and
-        whatever they get accepted is gained. Pinned rows keep their k."""
+        """In a round that drafts K tokens (`_batch_k`), an adaptive row drafts K whatever its own k:
+        drafts beyond its own k fill positions the batch's verify computes anyway (rows are padded
+        to K + 1) and ride on draft steps taken anyway, so they cost nearly nothing and whatever
+        they get accepted is gained. Pinned rows keep their k, prefilling rows draft nothing."""
         return self.cfg.speculate and self.cfg.adaptive and not self.pinned_k(seq) and not self.prefilling(seq)
 
     def _plain_steps(self, seqs: list[Sequence], prefill: bool) -> list[int] | None:
