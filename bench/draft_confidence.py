@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from http_bench import PROMPT_SETS  # noqa: E402
 
+from specdec_tools.bench import add_target_args  # noqa: E402
+
 
 def record(a) -> list[tuple[list[float], int, int]]:
     """(draft probabilities of a row's proposed tokens, tokens the target accepted, round) per round and row."""
@@ -89,8 +91,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--fixed-ms", type=float, default=33.5, help="verify cost per round")
     ap.add_argument("--per-position-ms", type=float, default=1.64, help="verify cost per row position")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    add_target_args(ap)
     a = ap.parse_args()
     records = record(a)
     B, F, c, n = a.batch, a.fixed_ms, a.per_position_ms, len(records)
