@@ -53,11 +53,14 @@ class TargetConfig(ModelRuntime):
     draft_in_target: str | None = Field(None, description="An EAGLE-style draft checkpoint that the replica also loads (tp=1; it shares the target's embedding and head): in multi-step plain rounds it drafts the rows that prompt lookup finds nothing for, from the features computed in this process (TargetWorker.drafter); None: lookups only.")
     draft_in_target_k: int = Field(2, ge=1, le=8, description="Tokens the in-target draft proposes per sampled row and step.")
     draft_in_target_greedy_k: int | None = Field(None, ge=1, le=8, description="Tokens it proposes per greedy row and step; None: draft_in_target_k.")
+    compile: bool = Field(False, description="Compile the target's layer stack (specdec.model.Transformer.compile_layers: torch.compile, inductor's C++ wrapper) when the replica starts; CPU and tp=1 only. Minutes of compiling the first time on a small CPU (inductor caches the code on disk); then a bf16 step of the demo target at batch 1 takes ~22 ms instead of ~32.")
 
     @model_validator(mode="after")
     def _draft_needs_one_rank(self) -> "TargetConfig":
         if self.draft_in_target and self.tp > 1:
             raise ValueError("draft_in_target needs tp=1 (the draft shares rank 0's unsharded embedding and head)")
+        if self.compile and (self.tp > 1 or self.device != "cpu"):
+            raise ValueError("compile needs tp=1 and device=cpu (the compiled path is measured there only)")
         return self
 
 
@@ -134,7 +137,7 @@ def make_worker(cfg: TargetConfig, model) -> TargetWorker:
     bench/http_bench.py, builds it the same way)."""
     corpus = NgramCorpus.load(resolve_corpus(cfg.lookup_corpus)) if cfg.lookup_corpus else None
     return TargetWorker(model, cfg.num_slots, cfg.max_model_len, cfg.return_hidden, corpus,
-                        _drafter(cfg, model), cfg.draft_in_target_k, cfg.draft_in_target_greedy_k)
+                        _drafter(cfg, model), cfg.draft_in_target_k, cfg.draft_in_target_greedy_k, cfg.compile)
 
 
 def _drafter(cfg: TargetConfig, model):

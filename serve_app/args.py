@@ -69,6 +69,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     draft_in_target: bool = Field(True, description="With an EAGLE-style draft and tp=1 (the default app), the Target replica also holds a copy of the draft (~10 MB beside the target's shared embedding and head) and, in multi-step plain rounds, drafts draft_in_target_k tokens per step for rows that prompt lookup finds nothing for, checked against plain decoding's own draws like any lookup, so output stays plain decoding's; no Draft call and no feature transfer for those rounds. In process, bf16, batch 1, 64 tokens (bench/draft_in_target.py), over plain decoding: greedy 1.25x with lookups alone -> 1.43x with the in-target draft, T = 0.7 1.17x -> 1.32x, T = 1.0 1.02x -> 1.05x; through HTTP at concurrency 1, greedy spec/off 1.24-1.28x -> 1.39-1.41x (BENCHMARKS.md).")
     draft_in_target_k: int = Field(2, ge=1, le=8, description="Draft tokens per sampled row and step of the in-target draft (draft_in_target). With prepacked weights, in process at batch 1, 3 against 2: T 0.7 1.40x vs 1.40x, T 1.0 1.29x vs 1.27x (16 task questions) and 1.31x vs 1.35x (8 fresh ones).")
     draft_in_target_greedy_k: int = Field(3, ge=1, le=8, description="Draft tokens per greedy row and step of the in-target draft: a greedy row accepts more of a chain. 3 against 2, in process at batch 1 with prepacked weights: 1.72x vs 1.68x over plain decoding (16 task questions), 1.53x vs 1.45x (8 fresh ones; bench/draft_in_target.py).")
+    compile: bool = Field(False, description="Compile the target's layer stack when a target replica starts (TargetConfig.compile; CPU, tp=1): a bf16 step of the demo target ~22 ms instead of ~32, after minutes of compiling the first time.")
     lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
     tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables.")
@@ -159,7 +160,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                             feature_layers=feature_layers(self.draft) if self.uses_features else [],
                             worker_gpus=1 if self.device == "cuda" else 0, lookup_corpus=self.lookup_corpus,
                             draft_in_target=self.draft if self.uses_features and self.draft_in_target and self.tp == 1 else None,
-                            draft_in_target_k=self.draft_in_target_k, draft_in_target_greedy_k=self.draft_in_target_greedy_k)
+                            draft_in_target_k=self.draft_in_target_k, draft_in_target_greedy_k=self.draft_in_target_greedy_k,
+                            compile=self.compile)
 
     def draft_config(self) -> DraftConfig | None:
         if not self.speculate:

@@ -131,6 +131,8 @@ class BatchIndex:
         offs = torch.arange(T, device=device)
         pos_grid = starts[:, None] + offs[None, :]  # [B, T]
         kv_len = -(-(int(starts.max().item()) + T) // align) * align
+        if align > 1:  # at least two chunks (the extra one all masked adds zeros): one chunk is a graph of its own when compiled
+            kv_len = max(kv_len, 2 * align)
         keys = torch.arange(kv_len, device=device)
         mask = keys[None, None, :] <= pos_grid[:, :, None]  # [B, T, kv_len]
         rope_grid = None
@@ -224,6 +226,32 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, b, "none", [], "")
 
 
+_COMPILED_PACKS: dict[tuple, PackedWeight] = {}  # a compiled stack's weights -> their packed copies
+
+
+@torch.library.custom_op("specdec::linear", mutates_args=())
+def compiled_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """`PackedWeight.linear` as one opaque op for a compiled layer stack (`Transformer.compile_layers`):
+    inductor calls it as it is, so a compiled forward multiplies with the same kernels, prepacked
+    weights and LINEAR_ROWS chunks as an eager one, whatever its (dynamic) row count."""
+    key = (w.data_ptr(), tuple(w.shape))
+    pack = _COMPILED_PACKS.get(key)
+    if pack is None:
+        pack = _COMPILED_PACKS[key] = PackedWeight()
+    return pack.linear(x, w, b)
+
+
+@compiled_linear.register_fake
+def _(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def _linear_call(packed: PackedWeight, x: Tensor, w: Tensor, b: Tensor | None, parts: tuple[Tensor, ...] = ()) -> Tensor:
+    if torch.compiler.is_compiling():
+        return compiled_linear(x, w, b)
+    return packed.linear(x, w, b, parts)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) whose CPU inference matmul reads a `PackedWeight`."""
 
@@ -232,7 +260,7 @@ class Linear(nn.Linear):
         self.packed = PackedWeight()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.packed.linear(x, self.weight, self.bias)
+        return _linear_call(self.packed, x, self.weight, self.bias)
 
 
 class FusedLinear(nn.Module):
@@ -259,6 +287,9 @@ class FusedLinear(nn.Module):
         biased = [lin.bias is not None for lin in layers]
         if any(biased) and not all(biased):
             raise ValueError("fused layers must all have a bias or none")
+        if self.weight is not None and [lin.weight.data_ptr() for lin in layers] == \
+                [p.data_ptr() for p in self.weight.split(self.sizes)]:
+            return  # fused already (a second setup_cache): keep the stack a compiled forward was built on
         w = _stack([lin.weight for lin in layers])
         self.bias = _stack([lin.bias for lin in layers]) if all(biased) else None
         self.sizes = [lin.weight.shape[0] for lin in layers]
@@ -274,7 +305,7 @@ class FusedLinear(nn.Module):
         """The layers' outputs from one matmul, or None (not fused, or training)."""
         if self.weight is None or training:
             return None
-        return self.packed.linear(x, self.weight, self.bias, self.parts).split(self.sizes, dim=-1)
+        return _linear_call(self.packed, x, self.weight, self.bias, self.parts).split(self.sizes, dim=-1)
 
 
 def _stack(parts: list[Tensor]) -> Tensor:
@@ -426,6 +457,7 @@ class Transformer(nn.Module):
         self.num_slots = 0
         self.max_len = 0
         self.exact_positions: bool | None = None  # None: position_invariant follows the dtype
+        self._compiled = None  # compile_layers(): the compiled `_stack`
         self.feature_layers: tuple[int, ...] = ()  # layers whose outputs lead the features (EAGLE-3 fusion)
 
     @property
@@ -454,8 +486,12 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.qkv.fuse(attn.q_proj, attn.k_proj, attn.v_proj)
             layer.mlp.gate_up.fuse(layer.mlp.gate_proj, layer.mlp.up_proj)
-            attn.kv_cache = KVCache(num_slots, max_len + margin, attn.num_kv_heads, attn.head_dim,
-                                    self.dtype, self.device)
+            shape = (num_slots, attn.num_kv_heads, max_len + margin, attn.head_dim)
+            old = attn.kv_cache
+            if old is None or old.k.shape != shape or old.k.dtype != self.dtype or old.k.device != self.device:
+                # (a cache of the same shape is kept: every position is written before it is read,
+                # and a compiled stack, guarded on these buffers, would otherwise compile again)
+                attn.kv_cache = KVCache(*shape[:1], shape[2], shape[1], shape[3], self.dtype, self.device)
 
     def rope(self, pos_grid: Tensor) -> tuple[Tensor, Tensor]:
         if self.inv_freq.device != pos_grid.device:
@@ -474,10 +510,24 @@ class Transformer(nn.Module):
         exact = self.position_invariant
         lone = exact and tokens.numel() == 1  # a one-row matmul takes another kernel: add a dummy position
         if lone:
-            tokens = tokens.expand(1, 2)
+            tokens = tokens.repeat(1, 2)  # (contiguous: a compiled stack guards strides)
         rows = BatchIndex.build(slots, starts, tokens.shape[1], exact, sibling,
                                 align=ATTN_KEYS if exact and self.layers[0].self_attn.kv_cache is not None else 1)
         cos, sin = self.rope(rows.pos_grid if rows.rope_grid is None else rows.rope_grid)
+        lo, hi = (-1, -1) if self._compiled or rows.slot_range is None else rows.slot_range  # (ints 0/1 would specialize)
+        args = (tokens, cos, sin, rows.slots, rows.slot_grid, rows.pos_grid, rows.mask, rows.kv_len, lo, hi, exact, taps)
+        if self._compiled is None:
+            h = self._stack(*args)
+        else:
+            with torch.no_grad():  # a compiled stack is inference-only (its matmul op has no backward)
+                h = self._compiled(*args)
+        return h[:, :1] if lone else h
+
+    def _stack(self, tokens: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, slot_grid: Tensor, pos_grid: Tensor,
+               mask: Tensor, kv_len: int, lo: int, hi: int, exact: bool, taps: bool) -> Tensor:
+        """Embedding, layers and final norm (`hidden_states` without its host-side bookkeeping: the
+        BatchIndex arrives as tensors and ints, so that `compile_layers` can compile this whole)."""
+        rows = BatchIndex(slots, None if lo < 0 else (lo, hi), slot_grid, pos_grid, kv_len, mask, exact)
         x = self.embed_tokens(tokens)
         tapped = []
         for i, layer in enumerate(self.layers):
@@ -485,9 +535,34 @@ class Transformer(nn.Module):
             if taps and i in self.feature_layers:
                 tapped.append(F.rms_norm(x, (x.shape[-1],), eps=self.args.rms_norm_eps))
         h = self.norm(x)
-        if tapped:
-            h = torch.cat([*tapped, h], dim=-1)
-        return h[:, :1] if lone else h
+        return torch.cat([*tapped, h], dim=-1) if tapped else h
+
+    def compile_layers(self) -> None:
+        """Run `_stack` through torch.compile (inductor, dynamic shapes, C++ wrapper) from now on.
+
+        A CPU forward at a few rows per row-batch is mostly Python and small kernels around the
+        matmuls (~14 of ~32 ms for the demo target at batch 1 in bf16); compiled, the norms,
+        rotary embedding, cache writes and attention arithmetic become a few fused C++ kernels
+        and no interpreter. The matmuls stay `PackedWeight`'s, called as the opaque op
+        `specdec::linear` (same kernels, chunks and packing as eager), and the attention keeps its
+        position-invariant construction, so a position's logits still do not depend on how many
+        positions share the forward. They can differ from the eager forward's in the last bits
+        (other fusion), so an engine compiles its target before its first forward and keeps it.
+        Each new shape class (batch 1 or more, one or more positions, features tapped or not)
+        compiles once, minutes on a small CPU (inductor caches the code on disk for later
+        processes). CPU only; weights must be final (tensor-parallel sharding, loading) first."""
+        if self.device.type != "cpu":
+            raise ValueError("compile_layers: CPU only (the GPU path is not measured)")
+        if self._compiled is not None:
+            return
+        self.requires_grad_(False)  # inference only; and a draft freezing the shared embedding later would recompile
+        import torch._dynamo
+        import torch.fx.experimental._config as fx_config
+        fx_config.use_duck_shape = False  # a cache length that once equalled head_dim must not recompile later
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)
+        cfg.fail_on_recompile_limit_hit = True  # never fall back to eager (other last bits) unnoticed
+        self._compiled = torch.compile(self._stack, dynamic=True, options={"cpp_wrapper": True})
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
                 n_logits: int = 1, n_hidden: int = 0, sibling: Tensor | None = None) -> tuple[Tensor, Tensor]:

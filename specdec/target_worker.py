@@ -17,7 +17,7 @@ from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.proposers.base import Proposer
 from specdec.proposers.ngram import ngram_lookup
 from specdec.rejection_sampler import DraftProbs, rejection_sample
-from specdec.runner import CacheFullError, SlotTable, run_ragged
+from specdec.runner import SHORT_ROW, CacheFullError, SlotTable, run_ragged
 from specdec.sampling import RaceNoise, race_noise, race_noise_over
 
 
@@ -37,7 +37,7 @@ def lookup_draft(tokens: list[int], k: int, corpus: NgramCorpus | None = None) -
 class TargetWorker:
     def __init__(self, model, num_slots: int, max_model_len: int, return_hidden: bool = False,
                  corpus: NgramCorpus | None = None, drafter: Proposer | None = None, draft_k: int = 2,
-                 greedy_draft_k: int | None = None):
+                 greedy_draft_k: int | None = None, compile: bool = False):
         if corpus is not None and corpus.vocab_size > model.args.vocab_size:
             raise ValueError(f"the lookup corpus's vocabulary ({corpus.vocab_size}) is larger than the target's "
                              f"({model.args.vocab_size}): it was made for another model")
@@ -61,6 +61,22 @@ class TargetWorker:
             model.feature_layers = tuple(drafter.feature_layers)  # the taps an EAGLE-3 draft fuses
         self._fed: dict[int, int] = {}
         self._pending: dict[int, tuple[int, list[torch.Tensor], int]] = {}
+        if compile:
+            model.compile_layers()
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run one forward of each shape class a round can bring (one or several rows, one or
+        several positions, a prompt longer than runner.SHORT_ROW), so that a compiled target
+        (`Transformer.compile_layers`) compiles them now and not in a request's round. The
+        writes land in free slots at positions that any sequence writes before it reads them."""
+        want_hidden = self.return_hidden or self.drafter is not None
+        slots = min(2, self.model.num_slots)
+        # (query rows per key head a multiple of 4 or not is another graph: T = 4 and 5)
+        for rows, T in [(1, 1), (1, 4), (1, 5), (1, SHORT_ROW + 8), (slots, 1), (slots, 4), (slots, 5)]:
+            run_ragged(self.model, [[0] * T] * rows, list(range(rows)), [0] * rows, [1] * rows,
+                       return_hidden=want_hidden)
 
     @property
     def vocab_size(self) -> int:

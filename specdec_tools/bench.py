@@ -238,6 +238,8 @@ def main(argv=None) -> None:
                     "(continuous batching: a finished row's place goes to a waiting sequence)")
     ap.add_argument("--siblings", type=int, default=0, help="siblings_max_batch: batches up to this size also "
                     "verify a sibling of each first draft (0: chains only)")
+    ap.add_argument("--compile", action="store_true", help="compile the target's layer stack "
+                    "(Transformer.compile_layers; compiled before the timed runs, minutes the first time)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -246,6 +248,17 @@ def main(argv=None) -> None:
     dtype = parse_dtype(a.dtype)
     tok = load_tokenizer(a.target)
     model = load_model(a.target, dtype=dtype, device=a.device)
+    batches = [int(x) for x in a.batches.split(",")]
+    if a.compile:
+        t0 = time.perf_counter()
+        from specdec.eagle_draft import feature_layers, is_eagle
+        taps = tuple(feature_layers(a.draft)) if a.draft and is_eagle(a.draft) else ()
+        for b in batches:  # each batch size's cache is another compiled graph
+            w = TargetWorker(model, b, 2048, compile=True)
+            if taps:  # and the forwards that also return an EAGLE-3 draft's features
+                model.feature_layers, w.return_hidden = taps, True
+                w.warm_up()
+        print(f"compiled the target's layers in {time.perf_counter() - t0:.0f} s")
     drafts = []
     if not a.no_self:
         self_draft = model.first_layers(a.self_draft_layers)
@@ -253,7 +266,6 @@ def main(argv=None) -> None:
     if a.draft:
         drafts += draft_factories(a.draft, model, dtype, a.hybrid_ngram_min)
     ks = [int(x) for x in a.ks.split(",")]
-    batches = [int(x) for x in a.batches.split(",")]
     kinds = prompt_kinds(tok, a.prompts)
     corpus = NgramCorpus.load(resolve_corpus(a.corpus)) if a.corpus and a.lookup else None
     per_batch = (2 + len(drafts) * (len(ks) + 1) + len(ks) - 1 + (1 if a.lookup else 0)

@@ -1,0 +1,70 @@
+"""A compiled target (`Transformer.compile_layers`): float32 logits stay the eager forward's up to
+rounding, greedy speculation still emits plain decoding's tokens, and in bfloat16 a position's
+logits still do not depend on how many positions or rows share the forward (the property bf16
+speculation's identity with plain decoding rests on)."""
+import pytest
+import torch
+
+from specdec.engine import EngineConfig, LLMEngine
+from specdec.loader import load_model
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.runner import run_ragged
+from specdec.sampling import SamplingParams
+from specdec.target_worker import TargetWorker
+
+SLOTS, MAX_LEN = 4, 256  # one cache shape for the whole module: a new one would compile again
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add", "import json\nimport os\nimport", "class Foo:\n    x = 1\n"]
+
+
+def _compiled(path, dtype):
+    model = load_model(path, dtype=dtype)
+    TargetWorker(model, SLOTS, MAX_LEN, compile=True)  # compiles and warms every shape class
+    return model
+
+
+@pytest.fixture(scope="module")
+def compiled_f32(tiny_dir):
+    return _compiled(tiny_dir, torch.float32)
+
+
+def _logits(model, ids, prefill, chunk, rows=1):
+    """Logits of positions prefill.. of `ids`, computed `chunk` positions per forward in `rows`
+    identical rows (slots 0..rows-1); row 0's."""
+    slots = list(range(rows))
+    out = [run_ragged(model, [ids[:prefill]] * rows, slots, [0] * rows, [1] * rows)[0]]
+    for p in range(prefill, len(ids) - 1, chunk):
+        feed = ids[p:min(p + chunk, len(ids) - 1)]
+        out.append(run_ragged(model, [feed] * rows, slots, [p] * rows, [len(feed)] * rows)[0])
+    return torch.cat(out)  # [positions, vocab]
+
+
+def test_compiled_float32_logits_match_eager(compiled_f32, tiny_dir):
+    eager = load_model(tiny_dir)
+    eager.setup_cache(SLOTS, MAX_LEN)
+    ids = [(7 + 13 * i) % 500 for i in range(40)]
+    for chunk, rows in [(1, 1), (4, 1), (1, 3), (5, 2)]:
+        got, ref = _logits(compiled_f32, ids, 20, chunk, rows), _logits(eager, ids, 20, chunk, rows)
+        assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (chunk, rows, (got - ref).abs().max())
+
+
+def test_compiled_target_greedy_speculation_is_plain_decoding(compiled_f32, tiny_draft_dir, tiny_tok):
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(proposer):
+        engine = LLMEngine(TargetWorker(compiled_f32, SLOTS, MAX_LEN), proposer, tiny_tok,
+                           EngineConfig(max_batch_size=SLOTS, num_speculative_tokens=3, adaptive=False,
+                                        speculate=proposer is not None))
+        return [s.output_ids for s in engine.generate(prompts, params)]
+
+    draft = DraftModelProposer(load_model(tiny_draft_dir), SLOTS, MAX_LEN)
+    assert run(draft) == run(None)
+
+
+def test_compiled_bf16_positions_stay_invariant(tiny_dir):
+    model = _compiled(tiny_dir, torch.bfloat16)
+    assert model.position_invariant
+    ids = [(11 + 29 * i) % 500 for i in range(36)]
+    ref = _logits(model, ids, 16, 1)
+    for chunk, rows in [(2, 1), (4, 1), (8, 1), (4, 3), (1, 3)]:
+        assert torch.equal(_logits(model, ids, 16, chunk, rows), ref), (chunk, rows)
