@@ -477,9 +477,9 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def setup_cache(self, num_slots: int, max_len: int, margin: int = 16 + ATTN_KEYS) -> None:
+    def setup_cache(self, num_slots: int, max_len: int, margin: int = 16 + 2 * ATTN_KEYS) -> None:
         """Preallocate the KV cache: `num_slots` sequences of up to `max_len` positions (the margin:
-        ragged rows' padding, and position-invariant attention reading whole chunks of keys), and
+        ragged rows' padding, and position-invariant attention reading whole chunks of keys, at least two), and
         fuse the projections that share an input (`FusedLinear`): the model is set up for inference."""
         self.num_slots, self.max_len = num_slots, max_len
         for layer in self.layers:

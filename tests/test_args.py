@@ -109,3 +109,10 @@ def test_lookup_corpus_auto_is_the_demo_targets_and_is_checked(tiny_dir, tmp_pat
         AppArgs(target=str(tiny_dir), lookup_corpus=str(big)).validate_models()
     with pytest.raises(ValueError, match="does not exist"):
         AppArgs(target=str(tiny_dir), lookup_corpus=str(tmp_path / "missing.npz")).validate_models()
+
+
+def test_compile_reaches_the_target_and_needs_one_cpu_rank(short_dir):
+    assert _resolved(target=str(short_dir), lookup_corpus=None, compile=True).target_config().compile
+    assert not _resolved(target=str(short_dir), lookup_corpus=None).target_config().compile
+    with pytest.raises(ValueError, match="compile needs tp=1"):
+        _resolved(target=str(short_dir), lookup_corpus=None, compile=True, tp=2).target_config()
