@@ -486,12 +486,13 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.qkv.fuse(attn.q_proj, attn.k_proj, attn.v_proj)
             layer.mlp.gate_up.fuse(layer.mlp.gate_proj, layer.mlp.up_proj)
-            shape = (num_slots, attn.num_kv_heads, max_len + margin, attn.head_dim)
             old = attn.kv_cache
-            if old is None or old.k.shape != shape or old.k.dtype != self.dtype or old.k.device != self.device:
+            if old is None or old.k.shape != (num_slots, attn.num_kv_heads, max_len + margin, attn.head_dim) \
+                    or old.k.dtype != self.dtype or old.k.device != self.device:
                 # (a cache of the same shape is kept: every position is written before it is read,
                 # and a compiled stack, guarded on these buffers, would otherwise compile again)
-                attn.kv_cache = KVCache(*shape[:1], shape[2], shape[1], shape[3], self.dtype, self.device)
+                attn.kv_cache = KVCache(num_slots, max_len + margin, attn.num_kv_heads, attn.head_dim,
+                                        self.dtype, self.device)
 
     def rope(self, pos_grid: Tensor) -> tuple[Tensor, Tensor]:
         if self.inv_freq.device != pos_grid.device:
