@@ -47,6 +47,8 @@ class LLMEngine:
         if len(taps) > 1:
             raise ValueError(f"the proposer and the target's own drafter read different target layers: {sorted(taps)}")
         target.model.feature_layers = taps.pop() if taps else ()  # an EAGLE-3 draft's taps
+        if features and getattr(target.model, "_compiled", None) is not None:
+            target.warm_up()  # a compiled target's forwards with features are graphs of their own
         self.scheduler = Scheduler(
             scheduler_config(self.cfg, max_model_len=self.max_model_len, features=features,
                              speculate=self.cfg.speculate and proposer is not None),

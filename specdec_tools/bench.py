@@ -251,13 +251,8 @@ def main(argv=None) -> None:
     batches = [int(x) for x in a.batches.split(",")]
     if a.compile:
         t0 = time.perf_counter()
-        from specdec.eagle_draft import feature_layers, is_eagle
-        taps = tuple(feature_layers(a.draft)) if a.draft and is_eagle(a.draft) else ()
-        for b in batches:  # each batch size's cache is another compiled graph
-            w = TargetWorker(model, b, 2048, compile=True)
-            if taps:  # and the forwards that also return an EAGLE-3 draft's features
-                model.feature_layers, w.return_hidden = taps, True
-                w.warm_up()
+        for b in batches:  # each batch size's cache is another compiled graph (with features: LLMEngine warms them)
+            TargetWorker(model, b, 2048, compile=True)
         print(f"compiled the target's layers in {time.perf_counter() - t0:.0f} s")
     drafts = []
     if not a.no_self:

@@ -61,6 +61,26 @@ def test_compiled_target_greedy_speculation_is_plain_decoding(compiled_f32, tiny
     assert run(draft) == run(None)
 
 
+def test_compiled_target_feeds_an_eagle_draft_its_features(compiled_f32, tiny_eagle_dir, tiny_tok):
+    """The engine warms the compiled target's forwards that tap features (an EAGLE-3 draft's)
+    when it is built; speculation with the draft still emits plain decoding's tokens."""
+    from specdec.eagle_draft import load_eagle
+    from specdec.proposers import EagleProposer
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(proposer):
+        engine = LLMEngine(TargetWorker(compiled_f32, SLOTS, MAX_LEN), proposer, tiny_tok,
+                           EngineConfig(max_batch_size=SLOTS, num_speculative_tokens=3, adaptive=False,
+                                        speculate=proposer is not None))
+        assert compiled_f32.feature_layers == (tuple(proposer.feature_layers) if proposer else ())
+        return [s.output_ids for s in engine.generate(prompts, params)]
+
+    eagle = EagleProposer(load_eagle(tiny_eagle_dir, compiled_f32), SLOTS, MAX_LEN)
+    assert eagle.feature_layers
+    assert run(eagle) == run(None)
+
+
 def test_compiled_bf16_positions_stay_invariant(tiny_dir):
     model = _compiled(tiny_dir, torch.bfloat16)
     assert model.position_invariant
