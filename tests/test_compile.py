@@ -47,18 +47,19 @@ def test_compiled_float32_logits_match_eager(compiled_f32, tiny_dir):
         assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (chunk, rows, (got - ref).abs().max())
 
 
-def test_compiled_target_greedy_speculation_is_plain_decoding(compiled_f32, tiny_draft_dir, tiny_tok):
-    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+def _greedy(model, proposer, tok) -> list[list[int]]:
+    """Greedy outputs of PROMPTS from an engine over `model` (plain decoding without a proposer)."""
+    engine = LLMEngine(TargetWorker(model, SLOTS, MAX_LEN), proposer, tok,
+                       EngineConfig(max_batch_size=SLOTS, num_speculative_tokens=3, adaptive=False,
+                                    speculate=proposer is not None))
+    assert model.feature_layers == (tuple(proposer.feature_layers) if proposer and proposer.needs_features else ())
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return [s.output_ids for s in engine.generate([tok(p).input_ids for p in PROMPTS], params)]
 
-    def run(proposer):
-        engine = LLMEngine(TargetWorker(compiled_f32, SLOTS, MAX_LEN), proposer, tiny_tok,
-                           EngineConfig(max_batch_size=SLOTS, num_speculative_tokens=3, adaptive=False,
-                                        speculate=proposer is not None))
-        return [s.output_ids for s in engine.generate(prompts, params)]
 
+def test_compiled_target_greedy_speculation_is_plain_decoding(compiled_f32, tiny_draft_dir, tiny_tok):
     draft = DraftModelProposer(load_model(tiny_draft_dir), SLOTS, MAX_LEN)
-    assert run(draft) == run(None)
+    assert _greedy(compiled_f32, draft, tiny_tok) == _greedy(compiled_f32, None, tiny_tok)
 
 
 def test_compiled_target_feeds_an_eagle_draft_its_features(compiled_f32, tiny_eagle_dir, tiny_tok):
@@ -66,19 +67,9 @@ def test_compiled_target_feeds_an_eagle_draft_its_features(compiled_f32, tiny_ea
     when it is built; speculation with the draft still emits plain decoding's tokens."""
     from specdec.eagle_draft import load_eagle
     from specdec.proposers import EagleProposer
-    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    def run(proposer):
-        engine = LLMEngine(TargetWorker(compiled_f32, SLOTS, MAX_LEN), proposer, tiny_tok,
-                           EngineConfig(max_batch_size=SLOTS, num_speculative_tokens=3, adaptive=False,
-                                        speculate=proposer is not None))
-        assert compiled_f32.feature_layers == (tuple(proposer.feature_layers) if proposer else ())
-        return [s.output_ids for s in engine.generate(prompts, params)]
-
     eagle = EagleProposer(load_eagle(tiny_eagle_dir, compiled_f32), SLOTS, MAX_LEN)
     assert eagle.feature_layers
-    assert run(eagle) == run(None)
+    assert _greedy(compiled_f32, eagle, tiny_tok) == _greedy(compiled_f32, None, tiny_tok)
 
 
 def test_compiled_bf16_positions_stay_invariant(tiny_dir):
