@@ -81,20 +81,21 @@ class ModelArgs:
         )
 
 
-class KVCache(nn.Module):
+class KVCache:
     """Preallocated keys/values: [slots, kv_heads, max_len, head_dim] per layer, head-major, so
     that the keys a batch reads, [B, kv_heads, L, head_dim], are a view attention's matmuls take
     as they are (a position-major cache made every layer copy them through a transpose first).
 
     `max_len` includes a margin for padded rows of ragged batches (their padding positions
-    write garbage past the row's end, which is never attended and later overwritten).
+    write garbage past the row's end, which is never attended and later overwritten). Plain
+    tensors, not module buffers: a compiled stack (`Transformer.compile_layers`) then takes their
+    sizes as dynamic, so one set of graphs serves every cache size (buffers' are static).
     """
 
     def __init__(self, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device=None):
-        super().__init__()
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def update(self, rows: "BatchIndex", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, T, kv_heads, head_dim] at each row's (slot, positions); return the rows'

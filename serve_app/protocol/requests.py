@@ -168,14 +168,15 @@ class _SamplingRequest(_RequestModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        """The client's token budget, or None to use the deployment default."""
-        return self.max_tokens
+    def max_tokens_param(self) -> str:
+        """The field that carries the client's token budget: chat's `max_completion_tokens` when
+        given, else `max_tokens` (for error messages too)."""
+        return "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
 
     @property
-    def max_tokens_param(self) -> str:
-        """Name of the field that carried `requested_max_tokens` (for error messages)."""
-        return "max_tokens"
+    def requested_max_tokens(self) -> int | None:
+        """The client's token budget, or None to use the deployment default."""
+        return getattr(self, self.max_tokens_param)
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -330,16 +331,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _invalid("'max_tokens' and 'max_completion_tokens' disagree; send only "
                            "'max_completion_tokens'.", field="max_completion_tokens")
         return self
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def messages_as_dicts(self) -> list[dict[str, str]]:
         """`[{"role", "content": str}]` for `tokenizer.apply_chat_template`.

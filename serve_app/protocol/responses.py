@@ -99,7 +99,7 @@ class CompletionResponses(_Responses):
 
     def response(self, texts: Sequence[str], finish_reasons: Sequence[FinishReason],
                  usage: CompletionUsage) -> Completion:
-        return self._make([self._choice(i, t, f) for i, (t, f) in enumerate(_pairs(texts, finish_reasons))], usage)
+        return self._make([self._choice(i, t, f) for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True))], usage)
 
     def chunk(self, index: int, text: str) -> Completion:
         return self._make([self._choice(index, text, None)])
@@ -121,7 +121,7 @@ class ChatResponses(_Responses):
                  usage: CompletionUsage) -> ChatCompletion:
         choices = [ChatChoice(index=i, finish_reason=f, logprobs=None,
                               message=ChatCompletionMessage(role="assistant", content=t, refusal=None))
-                   for i, (t, f) in enumerate(_pairs(texts, finish_reasons))]
+                   for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True))]
         return ChatCompletion(id=self.request_id, object="chat.completion", created=self.created, model=self.model,
                               choices=choices, usage=usage)
 
@@ -144,12 +144,6 @@ class ChatResponses(_Responses):
 
     def usage_chunk(self, usage: CompletionUsage) -> ChatCompletionChunk:
         return self._chunk([], without_speculative(usage))
-
-
-def _pairs(texts: Sequence[str], finish_reasons: Sequence[FinishReason]) -> zip:
-    if len(texts) != len(finish_reasons):
-        raise ValueError(f"{len(texts)} texts but {len(finish_reasons)} finish reasons")
-    return zip(texts, finish_reasons)
 
 
 def model_list(model_ids: Iterable[str], *, created: int | None = None,
