@@ -550,8 +550,8 @@ class Transformer(nn.Module):
         position-invariant construction, so a position's logits still do not depend on how many
         positions share the forward. They can differ from the eager forward's in the last bits
         (other fusion), so an engine compiles its target before its first forward and keeps it.
-        Each new shape class (batch 1 or more, one or more positions, features tapped or not)
-        compiles once, minutes on a small CPU (inductor caches the code on disk for later
+        Each new shape class (batch 1 or more, one or more positions, features tapped or not;
+        not the cache's size, see `KVCache`) compiles once, minutes on a small CPU (inductor caches the code on disk for later
         processes). CPU only; weights must be final (tensor-parallel sharding, loading) first."""
         if self.device.type != "cpu":
             raise ValueError("compile_layers: CPU only (the GPU path is not measured)")

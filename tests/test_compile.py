@@ -97,3 +97,28 @@ def test_compiled_bf16_positions_stay_invariant(tiny_dir):
     ref = _logits(model, ids, 16, 1)
     for chunk, rows in [(2, 1), (4, 1), (8, 1), (4, 3), (1, 3)]:
         assert torch.equal(_logits(model, ids, 16, chunk, rows), ref), (chunk, rows)
+
+
+def test_warm_up_covers_every_round_of_the_default_app(tiny_dir, tiny_eagle_dir, tiny_tok):
+    """A compiled bf16 target set up as the default app's (features for an EAGLE-3 draft, the
+    in-target draft, prompt lookups in multi-step plain rounds, hybrid speculative rounds) compiles
+    nothing after its warm-up, at batch 1 and at a full batch, greedy and sampled."""
+    from torch._dynamo.utils import counters
+
+    from specdec.eagle_draft import load_eagle
+    from specdec.proposers import EagleProposer, HybridProposer, NgramProposer
+    target = load_model(tiny_dir, dtype=torch.bfloat16)
+    drafter = EagleProposer(load_eagle(tiny_eagle_dir, target), SLOTS, MAX_LEN)
+    worker = TargetWorker(target, SLOTS, MAX_LEN, return_hidden=True, drafter=drafter, draft_k=2, greedy_draft_k=3,
+                          compile=True)
+    proposer = HybridProposer(NgramProposer(), EagleProposer(load_eagle(tiny_eagle_dir, target), SLOTS, MAX_LEN))
+    engine = LLMEngine(worker, proposer, tiny_tok, EngineConfig(max_batch_size=SLOTS, plain_steps=8, lookup_k=2,
+                                                                lookup_max_batch=8, ngram_k=8))
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [tiny_tok(p).input_ids for p in PROMPTS]
+    for params in (SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)):
+        engine.generate(prompts[:1], params)
+        engine.generate(prompts, params)
+    assert engine.stats.rounds > 0 and engine.stats.proposed > 0
+    assert counters["stats"]["unique_graphs"] == graphs
