@@ -244,11 +244,12 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
     return draft.eval()
 
 
-class _TrainKV:
-    """Stands in for a layer's KV cache (`model.KVCache`) in training: records this pass's
-    keys/values and prepends a previous pass's (see EagleDraft.forward_train)."""
+class _TrainKV(nn.Module):
+    """Stands in for a layer's KV cache in training: records this pass's keys/values and
+    prepends a previous pass's (see EagleDraft.forward_train)."""
 
     def __init__(self, context: tuple[Tensor, Tensor] | None):
+        super().__init__()
         self.context = context
         self.k = self.v = None
 

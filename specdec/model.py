@@ -81,21 +81,20 @@ class ModelArgs:
         )
 
 
-class KVCache:
+class KVCache(nn.Module):
     """Preallocated keys/values: [slots, kv_heads, max_len, head_dim] per layer, head-major, so
     that the keys a batch reads, [B, kv_heads, L, head_dim], are a view attention's matmuls take
     as they are (a position-major cache made every layer copy them through a transpose first).
 
     `max_len` includes a margin for padded rows of ragged batches (their padding positions
-    write garbage past the row's end, which is never attended and later overwritten). Plain
-    tensors, not module buffers: a compiled stack (`Transformer.compile_layers`) then takes their
-    sizes as dynamic, so one set of graphs serves every cache size (buffers' are static).
+    write garbage past the row's end, which is never attended and later overwritten).
     """
 
     def __init__(self, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device=None):
+        super().__init__()
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, rows: "BatchIndex", k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, T, kv_heads, head_dim] at each row's (slot, positions); return the rows'
@@ -550,8 +549,8 @@ class Transformer(nn.Module):
         position-invariant construction, so a position's logits still do not depend on how many
         positions share the forward. They can differ from the eager forward's in the last bits
         (other fusion), so an engine compiles its target before its first forward and keeps it.
-        Each new shape class (batch 1 or more, one or more positions, features tapped or not;
-        not the cache's size, see `KVCache`) compiles once, minutes on a small CPU (inductor caches the code on disk for later
+        Each new shape class (batch 1 or more, one or more positions, features tapped or not)
+        compiles once, minutes on a small CPU (inductor caches the code on disk for later
         processes). CPU only; weights must be final (tensor-parallel sharding, loading) first."""
         if self.device.type != "cpu":
             raise ValueError("compile_layers: CPU only (the GPU path is not measured)")
