@@ -220,7 +220,7 @@ class PackedWeight:
         if (not _PACKABLE.get(w.dtype) or x.dtype != w.dtype or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, b)
-        key = (w.data_ptr(), w.shape, *(None if t.is_inference() else t._version for t in (w, *parts)))
+        key = (w.data_ptr(), w.shape, w.dtype, *(None if t.is_inference() else t._version for t in (w, *parts)))
         if key != self.key:
             self.weight, self.key = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS), key
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, b, "none", [], "")
@@ -234,7 +234,7 @@ def compiled_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """`PackedWeight.linear` as one opaque op for a compiled layer stack (`Transformer.compile_layers`):
     inductor calls it as it is, so a compiled forward multiplies with the same kernels, prepacked
     weights and LINEAR_ROWS chunks as an eager one, whatever its (dynamic) row count."""
-    key = (w.data_ptr(), tuple(w.shape))
+    key = (w.data_ptr(), tuple(w.shape), w.dtype)  # (a freed weight's address may come back with another dtype)
     pack = _COMPILED_PACKS.get(key)
     if pack is None:
         pack = _COMPILED_PACKS[key] = PackedWeight()
