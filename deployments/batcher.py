@@ -53,6 +53,7 @@ from specdec.sequence import Sequence
 from specdec.stats import RoundProfile, SpecStats
 
 log = logging.getLogger("ray.serve")
+MAX_PENDING_RELEASES = 1024  # finished ids a lane keeps for its next draft call before sending them alone
 
 
 class SchedulingConfig(BaseModel):
@@ -118,6 +119,7 @@ class Lane:
     draft_pin: str | None = None
     draft_down_until: float = 0.0
     pending_draft_release: list[int] = field(default_factory=list)
+    stalled_since: float | None = None  # monotonic time of the first of consecutive rounds no row progressed in
     task: asyncio.Task | None = None
 
     @property
@@ -182,16 +184,19 @@ class Batcher:
         free = sum(max(0, self.cfg.max_batch_size - l.load) for l in self.lanes)
         return free + max(0, self.cfg.max_lanes - len(self.lanes)) * self.cfg.max_batch_size
 
-    def submit(self, prompt_ids: list[int], params: list[SamplingParams], group=None) -> list[Sequence]:
-        """Queue one sequence per params entry (n samples of one prompt). Raises Overloaded when
-        they fit neither in free lane rows nor in the bounded queue. Sequences of one `group` (one
-        request; default: this call) share the request's row cap (`max_request_share`)."""
-        if len(params) > self.capacity() + self.cfg.max_queued_sequences:
-            raise RequestFailed(f"too many sequences in one request ({len(params)}); this server runs at most "
-                                f"{self.capacity() + self.cfg.max_queued_sequences}", 400)
-        if len(self.queue) + len(params) > self.cfg.max_queued_sequences + self._room():
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], group=None) -> list[Sequence]:
+        """Queue one request: a sequence per prompt and params entry (n samples of each prompt),
+        prompt-major, all or none. Raises RequestFailed (400) when the request alone exceeds
+        what the server can ever hold, Overloaded when it fits neither in free lane rows nor in
+        the bounded queue now. Sequences of one `group` (one request; default: this call) share
+        the request's row cap (`max_request_share`)."""
+        count, most = len(prompts) * len(params), self.capacity() + self.cfg.max_queued_sequences
+        if count > most:
+            raise RequestFailed(f"too many sequences in one request ({len(prompts)} prompt(s) x {len(params)} "
+                                f"choice(s) = {count}); this server runs at most {most}", 400)
+        if len(self.queue) + count > self.cfg.max_queued_sequences + self._room():
             raise Overloaded()
-        seqs = [Sequence(list(prompt_ids), p, frozenset(self.eos_ids)) for p in params]
+        seqs = [Sequence(list(ids), p, frozenset(self.eos_ids)) for ids in prompts for p in params]
         group = object() if group is None else group
         for s in seqs:
             s.meta["group"] = group
@@ -213,7 +218,10 @@ class Batcher:
             raise err
 
     def finish(self, seq: Sequence) -> None:
-        """Consumer is done with `seq` (finished, failed or disconnected): free everything."""
+        """Consumer is done with `seq` (finished, failed or disconnected): free everything, once."""
+        ev = self.events.pop(seq.seq_id, None)
+        if ev is None:
+            return  # already finished (or never submitted here)
         if not seq.finished:
             seq.abort()
             try:
@@ -222,9 +230,7 @@ class Batcher:
                 for lane in self.lanes:
                     if lane.scheduler.abort(seq.seq_id):
                         break
-        ev = self.events.pop(seq.seq_id, None)
-        if ev is not None:
-            ev.set()  # wake a waiter that is still parked on it
+        ev.set()  # wake a waiter that is still parked on it
         self.errors.pop(seq.seq_id, None)
         if self.metrics:
             self.metrics.record_request_end(seq.finish_reason or "abort", seq.prompt_len, seq.num_output)
@@ -361,9 +367,19 @@ class Batcher:
         for s in plan.seqs:
             self._notify(s)
         self._profile(r, calls, time.perf_counter() - t0)
-        if len(r.verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
-            lane.target_pin = None  # and let the request router pick again (it avoids other lanes' replicas)
-            await asyncio.sleep(0.05)
+        if len(r.verify.unknown) < len(plan.seqs):
+            lane.stalled_since = None
+            return
+        # No row progressed (the target is out of slots): back off and let the request router pick
+        # again (it avoids other lanes' replicas); past retry_deadline_s, fail rather than wait on.
+        lane.target_pin = None
+        now = time.monotonic()
+        lane.stalled_since = lane.stalled_since or now
+        if now - lane.stalled_since > self.cfg.retry_deadline_s:
+            self._fail_lane(lane, RequestFailed("target unavailable: no replica had room for this request within "
+                                                f"{self.cfg.retry_deadline_s:.0f}s", 503))
+            return
+        await asyncio.sleep(0.05)
 
     def _profile(self, r: RoundResult, calls: dict[str, float], round_s: float) -> None:
         ds = r.draft.served or (calls["draft_sent"], calls["draft_back"])
@@ -401,7 +417,12 @@ class Batcher:
 
     async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
         if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:
-            lane.pending_draft_release += batch.release  # deliver with the next draft call
+            if self.draft is not None:
+                lane.pending_draft_release += batch.release  # deliver with the next draft call
+                if len(lane.pending_draft_release) >= MAX_PENDING_RELEASES:  # a long run without drafts
+                    if lane.draft_pin:  # (an unpinned lane has no draft state anywhere)
+                        self._release_later(self.draft, lane.draft_pin, lane.pending_draft_release)
+                    lane.pending_draft_release = []
             return DraftOutput.empty(len(batch)), False
         batch.release = lane.pending_draft_release + list(batch.release)
         lane.pending_draft_release = []
@@ -447,6 +468,8 @@ class Batcher:
                 self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out
             except asyncio.TimeoutError:  # e.g. no target replica came up: give up, keep the pin
+                if release:  # the cancelled call may never have run there
+                    self._release_later(self.target, lane.target_pin, release)
                 self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
                                                     f"{self.cfg.retry_deadline_s:.0f}s", 503))
                 return None
@@ -457,8 +480,12 @@ class Batcher:
                     self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
                     return None
                 log.warning("target replica lost (%s); re-prefilling the lane elsewhere", _short(e))
-                if release:  # an unavailable replica may come back: it must still free those slots
-                    self._release_later(lane.target_pin, release)
+                # An unavailable replica may come back: it must still free the finished rows' slots
+                # and those of the rows re-prefilled elsewhere (should the lane land there again,
+                # a row it no longer holds is re-prefilled: `unknown`).
+                held = release + [s.seq_id for s in plan.seqs]
+                if lane.target_pin is not None and held:
+                    self._release_later(self.target, lane.target_pin, held)
                 lane.target_pin = None
                 for s in plan.seqs:
                     s.target_offset = 0
@@ -466,14 +493,15 @@ class Batcher:
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
 
-    def _release_later(self, pin: str | None, ids: list[int]) -> None:
-        """Deliver finished sequences' releases to target replica `pin` in the background, retrying
-        until `retry_deadline_s` (ids of finished sequences are harmless on any other replica)."""
+    def _release_later(self, handle, pin: str | None, ids: list[int]) -> None:
+        """Deliver releases to replica `pin` of `handle` (Target or Draft) in the background,
+        retrying until `retry_deadline_s` (ids of finished sequences are harmless on any other
+        replica)."""
         async def deliver():
             deadline, backoff = time.monotonic() + self.cfg.retry_deadline_s, 0.2
             while True:
                 try:
-                    await asyncio.wait_for(self.target.release.remote(ids, pin=pin), timeout=self.cfg.draft_timeout_s)
+                    await asyncio.wait_for(handle.release.remote(ids, pin=pin), timeout=self.cfg.draft_timeout_s)
                     return
                 except Exception as e:  # noqa: BLE001 - retried until the deadline
                     if time.monotonic() + backoff > deadline:

@@ -44,6 +44,22 @@ def _finish(seq: Sequence) -> str:
     return "length" if seq.finish_reason == "length" else "stop"
 
 
+class _Stream(StreamingResponse):
+    """A streamed response that frees its request also when the client left before its body
+    generator ever ran (Starlette then cancels the body without starting it, and a generator
+    that never started runs no `finally`)."""
+
+    def __init__(self, content, end, **kwargs):
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end()
+
+
 def _route_path(scope) -> str:
     """The request path inside the application (its route prefix, Serve's root_path, removed)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
@@ -234,17 +250,17 @@ class OpenAIIngress:
                                        stream=bool(req.stream), n=req.num_choices, prompts=len(prompts))
         if constants.DEBUG_LOG_PROMPTS:
             log.info("request %s prompts=%r", rid, prompts)
-        seqs: list[Sequence] = []
+        # choices are prompt-major: index = prompt * n + choice
         try:
-            for ids in prompts:  # choices are prompt-major: index = prompt * n + choice
-                for s in self.batcher.submit(ids, params, group=rid):
-                    s.meta.update(trace_ctx=ctx, request_id=rid)
-                    seqs.append(s)
+            seqs = self.batcher.submit(prompts, params, group=rid)  # all or none
         except BaseException:
-            self._end(seqs, span)
+            span.end()
             raise
-        if req.stream:
-            return StreamingResponse(self._stream(req, out, seqs, prompts, span), media_type="text/event-stream")
+        for s in seqs:
+            s.meta.update(trace_ctx=ctx, request_id=rid)
+        end = self._ender(seqs, span)
+        if req.stream:  # (ended by the generator, or by the response if the client left before it ran)
+            return _Stream(self._stream(req, out, seqs, prompts, end), end, media_type="text/event-stream")
         try:
             async for _ in self._watch(seqs):
                 pass
@@ -252,15 +268,23 @@ class OpenAIIngress:
             span.set_attribute("completion_tokens", usage.completion_tokens)
             return JSONResponse(wire(out.response([s.text for s in seqs], [_finish(s) for s in seqs], usage)))
         finally:
-            self._end(seqs, span)
+            end()
 
-    def _end(self, seqs: list[Sequence], span) -> None:
-        """Free a request's sequences (finished, failed or disconnected) and end its span."""
-        for s in seqs:
-            self.batcher.finish(s)
-        span.end()
+    def _ender(self, seqs: list[Sequence], span):
+        """A call that frees a request's sequences (finished, failed or disconnected) and ends its
+        span, once however often it is called."""
+        ended = False
 
-    async def _stream(self, req, out, seqs, prompts, span) -> AsyncIterator[str]:
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                for s in seqs:
+                    self.batcher.finish(s)
+                span.end()
+        return end
+
+    async def _stream(self, req, out, seqs, prompts, end) -> AsyncIterator[str]:
         try:
             for chunk in out.opening(len(seqs)):
                 yield sse(chunk)
@@ -270,6 +294,7 @@ class OpenAIIngress:
                     if delta:
                         yield sse(out.chunk(i, delta))
                     if s.finished:
+                        await self.batcher.wait(s)  # a failure that came while the client read: raised here
                         yield sse(out.finish(i, _finish(s)))
             except RequestFailed as e:
                 yield sse(APIError(str(e), status=e.status).body())
@@ -279,13 +304,14 @@ class OpenAIIngress:
                 yield sse(out.usage_chunk(self._usage(seqs, prompts)))  # (the chunk drops the extension)
             yield SSE_DONE
         finally:  # also on client disconnect (the generator is cancelled)
-            self._end(seqs, span)
+            end()
 
     async def _watch(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Sequence]]:
-        """Yield (index, seq) each time a sequence changes, until all are finished."""
+        """Yield (index, seq) each time a sequence changes, until all are finished (each at least
+        once, so one that finished before the watch began is reported too)."""
         def arm(i):
             return asyncio.ensure_future(self.batcher.wait(seqs[i]))
-        pending = {arm(i): i for i, s in enumerate(seqs) if not s.finished}
+        pending = {arm(i): i for i in range(len(seqs))}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

@@ -22,5 +22,5 @@ def load_api_keys(*files: str | None) -> list[str]:
     for path in (os.environ.get(API_KEYS_FILE_ENV), *files):
         if path:
             with open(path, encoding="utf-8") as f:
-                keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+                keys += [k for line in f if (k := line.strip()) and not k.startswith("#")]
     return keys

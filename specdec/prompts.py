@@ -33,7 +33,13 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    """The chat template's text; ValueError when the template rejects the messages (many raise
+    for e.g. a system message or roles that do not alternate)."""
+    from jinja2 import TemplateError
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except TemplateError as e:
+        raise ValueError(f"this model's chat template rejects the messages: {e}") from None
 
 
 def content_spans(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -51,8 +51,8 @@ class SamplingParams:
             self.temperature = 0.0  # greedy: a tiny temperature would overflow the logits
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.top_k < 2**63:  # (a tensor of int64 holds it; any k >= vocab is all tokens)
+            raise ValueError("top_k must be >= 0 and below 2**63")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
 

@@ -12,6 +12,7 @@ end the sequence without adding text.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +20,10 @@ from specdec.adaptive import AdaptiveConfig, AdaptiveK
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.sampling import SamplingParams, new_base_seed
 
-_ids = itertools.count(1)
+# Sequence ids key KV-cache slots on Target and Draft replicas that several processes (Router
+# replicas) share, so they must not repeat across processes: each process counts up from a random
+# 62-bit start (two processes' ranges of 2**32 ids overlap with probability ~2**-29).
+_ids = itertools.count(secrets.randbits(62) + 1)
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 

@@ -285,7 +285,7 @@ def _batcher(tiny_dir, target, **cfg):
 
 async def _generate(batcher, prompt_ids, max_tokens):
     from specdec.sampling import SamplingParams
-    [seq] = batcher.submit(prompt_ids, [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)])
+    [seq] = batcher.submit([prompt_ids], [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)])
     try:
         while not seq.finished:
             await batcher.wait(seq)
@@ -399,7 +399,7 @@ async def test_batcher_runs_plain_rounds_while_the_draft_is_down(tiny_dir, tiny_
         await asyncio.sleep(0.3)
         draft.down = False
     r = asyncio.ensure_future(recover())
-    [seq] = batcher.submit([5, 6, 7, 5, 6, 7, 5, 6], [SamplingParams(max_tokens=60, temperature=0,
+    [seq] = batcher.submit([[5, 6, 7, 5, 6, 7, 5, 6]], [SamplingParams(max_tokens=60, temperature=0,
                                                                       ignore_eos=True)])
     while not seq.finished:
         await batcher.wait(seq)
@@ -462,7 +462,7 @@ async def test_batcher_keeps_releases_across_failed_calls(tiny_dir, tiny_worker,
     batcher = Batcher({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0,
                          "draft_timeout_s": 0.3, "draft_backoff_s": 0.0, "num_speculative_tokens": 2,
                          "adaptive": False}, draft, target)
-    seqs = batcher.submit([5, 6, 7, 5, 6, 7], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    seqs = batcher.submit([[5, 6, 7, 5, 6, 7]], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                               for n in (2, 40)])
     for s in seqs:
         while not s.finished:
@@ -486,7 +486,7 @@ async def test_batcher_one_large_n_request_does_not_lock_out_other_clients(tiny_
                      max_request_share=0.5)
     # the first wave is long (160 tokens) against the client's 5, whatever the machine's speed
     greedy = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
-    big = batcher.submit([5, 6, 7], [greedy] * 8)
+    big = batcher.submit([[5, 6, 7]], [greedy] * 8)
     held = []
 
     async def watch():
@@ -510,3 +510,118 @@ async def test_batcher_one_large_n_request_does_not_lock_out_other_clients(tiny_
     assert all(len(o) == 160 and o == outs[0] for o in outs)  # every sample ran (greedy: identical)
     assert not batcher.queue and not batcher.events
     assert len(tiny_worker.table) == 0
+
+
+class _TwoReplicaTarget:
+    """Two Target replicas ("a", "b"), each with its own worker; the first pinned verify that
+    reaches "a" after `fail_after` calls raises ActorUnavailableError once ("a" stays alive and
+    still answers releases), and unpinned calls go to "b" from then on."""
+
+    def __init__(self, workers: dict, fail_after: int = 2):
+        self.workers, self.fail_after = workers, fail_after
+        self.calls, self.failed = 0, False
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        import ray.exceptions
+        self.calls += 1
+        name = pin or ("b" if self.failed else "a")
+        if name == "a" and self.calls > self.fail_after and not self.failed:
+            self.failed = True
+            raise ray.exceptions.ActorUnavailableError("unreachable for a moment", None)
+        return name, self.workers[name].verify(batch, draft)
+
+    async def _release(self, ids, pin=None):
+        for name, w in self.workers.items():
+            if pin in (None, name):
+                w.release(ids)
+
+
+def _new_worker(tiny_dir, slots: int = 4):
+    import torch
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    return TargetWorker(load_model(tiny_dir, dtype=torch.float32), slots, 256)
+
+
+async def _drain(batcher, seqs):
+    for s in seqs:
+        while not s.finished:
+            await batcher.wait(s)
+        batcher.finish(s)
+    for _ in range(200):
+        if not batcher.lanes and not batcher._background:
+            break
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_batcher_frees_the_live_rows_on_a_replica_that_was_unavailable_for_a_moment(tiny_dir):
+    """A lane re-prefilled on replica b after replica a was unreachable (it came back) frees the
+    rows a still holds: no slot on either replica outlives the request."""
+    from specdec.sampling import SamplingParams
+
+    workers = {"a": _new_worker(tiny_dir), "b": _new_worker(tiny_dir)}
+    target = _TwoReplicaTarget(workers)
+    batcher = _batcher(tiny_dir, target)
+    seqs = batcher.submit([[5, 6, 7]], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2)
+    await asyncio.wait_for(_drain(batcher, seqs), timeout=30)
+    assert target.failed and all(len(s.output_ids) == 12 for s in seqs)
+    assert len(workers["a"].table) == 0 and len(workers["b"].table) == 0
+
+
+class _HangOnReleaseTarget(_FakeTarget):
+    """A Target whose verify hangs (never reaches the worker) once a call carries releases."""
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        self.calls += 1
+        if batch.release:
+            await asyncio.Event().wait()
+        return "replica-b", self.worker.verify(batch, draft)
+
+
+@pytest.mark.asyncio
+async def test_batcher_delivers_the_releases_of_a_verify_that_timed_out(tiny_dir):
+    """A lane that gives up on a target call (no answer by retry_deadline_s) still frees the
+    finished rows that call carried, not only its live ones."""
+    from deployments.batcher import RequestFailed
+    from specdec.sampling import SamplingParams
+
+    worker = _new_worker(tiny_dir)
+    batcher = _batcher(tiny_dir, _HangOnReleaseTarget(worker), retry_deadline_s=0.5)
+    short, long = batcher.submit([[5, 6, 7]], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                for n in (2, 40)])
+    with pytest.raises(RequestFailed) as e:
+        await asyncio.wait_for(_drain(batcher, [short, long]), timeout=30)
+    assert e.value.status == 503 and short.finish_reason == "length"
+    batcher.finish(long)
+    await asyncio.wait_for(_drain(batcher, []), timeout=30)
+    assert len(worker.table) == 0
+
+
+@pytest.mark.asyncio
+async def test_batcher_fails_a_lane_that_finds_no_room_past_the_retry_deadline(tiny_dir):
+    """Target replicas without a free slot (every row comes back unknown) fail the request with a
+    503 after retry_deadline_s instead of retrying it forever."""
+    from deployments.batcher import RequestFailed
+
+    worker = _new_worker(tiny_dir, slots=1)
+    worker.table.allocate(10**12)  # held by some other router's sequence
+    batcher = _batcher(tiny_dir, _FakeTarget(worker), retry_deadline_s=0.5)
+    with pytest.raises(RequestFailed) as e:
+        await asyncio.wait_for(_generate(batcher, [5, 6, 7], 4), timeout=30)
+    assert e.value.status == 503 and "no replica had room" in str(e.value)
+    await asyncio.wait_for(_drain(batcher, []), timeout=30)
+    assert not batcher.lanes and not batcher.events and not batcher.errors
+
+
+def test_sequence_ids_differ_across_processes():
+    """Router replicas share Target and Draft replicas, whose slots are keyed by sequence id: two
+    processes must not number their sequences alike."""
+    import subprocess
+    import sys
+    code = ("from specdec.sequence import Sequence; from specdec.sampling import SamplingParams; "
+            "print(Sequence([1], SamplingParams()).seq_id)")
+    ids = {int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+           for _ in range(2)}
+    assert len(ids) == 2

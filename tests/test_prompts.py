@@ -124,3 +124,15 @@ def test_no_chat_template_is_an_error():
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_a_template_that_rejects_the_messages_is_a_value_error():
+    """Many templates raise for messages they do not take (a system message, roles that do not
+    alternate): that is the client's error (a 400 from the API), not a crash (a 500)."""
+    from tiny_models import tiny_tokenizer
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="System role not supported"):
+        encode_chat(tok, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    assert encode_chat(tok, [{"role": "user", "content": "u"}])

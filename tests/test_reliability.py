@@ -93,6 +93,7 @@ BAD_INPUTS = [
     ("token-id-out-of-vocab", C, {"model": M, "prompt": [1, 2, 10**6]}, 400, "prompt", None, None),
     ("token-id-negative", C, {"model": M, "prompt": [1, -2]}, 400, "prompt", None, None),
     ("seed-beyond-int64", C, {"model": M, "prompt": "a", "seed": 2**64}, 400, "seed", None, None),
+    ("top-k-beyond-int64", C, {"model": M, "prompt": "a", "top_k": 2**63}, 400, "top_k", None, None),
     # --- missing or empty fields
     ("missing-model", C, {"prompt": "a"}, 400, "model", None, "Missing required parameter"),
     ("missing-prompt", C, {"model": M}, 400, "prompt", None, "Missing required parameter"),
@@ -129,6 +130,8 @@ BAD_INPUTS = [
     ("top-p-above-one", C, {"model": M, "prompt": "a", "top_p": 1.01}, 400, "top_p", None, None),
     ("n-zero", C, {"model": M, "prompt": "a", "n": 0}, 400, "n", None, None),
     ("n-too-large", C, {"model": M, "prompt": "a", "n": 5}, 400, "n", None, "at most 4"),
+    ("more-sequences-than-the-server-holds", C, {"model": M, "prompt": ["a"] * 3, "n": 2}, 400, None, None,
+     "too many sequences"),
     ("n-huge", CHAT, {"model": M, "messages": [{"role": "user", "content": "a"}], "n": 10**9}, 400, "n", None,
      None),
     ("stop-empty-list", C, {"model": M, "prompt": "a", "stop": []}, 400, "stop", None, "must not be empty"),
@@ -390,7 +393,7 @@ async def test_kv_cache_budget_is_shared_and_never_exceeded(app):
 def test_api_keys_from_environment(monkeypatch, tmp_path):
     from serve_app import constants
     f = tmp_path / "keys"
-    f.write_text("# comment\nsk-file-1\n\n  sk-file-2  \n")
+    f.write_text("# comment\nsk-file-1\n\n  sk-file-2  \n  # an indented comment is no key\n")
     monkeypatch.setenv(constants.API_KEYS_ENV, "sk-env-1, sk-env-2,")
     monkeypatch.setenv(constants.API_KEYS_FILE_ENV, str(f))
     assert constants.load_api_keys() == ["sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2"]

@@ -1,0 +1,167 @@
+"""The HTTP ingress in process (no cluster): the real `OpenAIIngress` class over a real `Batcher`
+whose Target handle runs a `TargetWorker` in this process, driven through ASGI. For what a
+cluster cannot time: a client gone before its stream starts, a lane that fails while a client
+reads, a sequence that finishes before its stream is watched."""
+# No `from __future__ import annotations`: FastAPI must see the route's `Request` annotation.
+import asyncio
+import json
+
+import httpx
+import pytest
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class _Target:
+    """A Target deployment handle over an in-process worker; `fail_from` fails that verify call on."""
+
+    def __init__(self, worker):
+        self.worker, self.calls, self.fail_from = worker, 0, None
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
+
+    def options(self, **_):
+        return self
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        self.calls += 1
+        if self.fail_from is not None and self.calls >= self.fail_from:
+            raise ValueError("boom")
+        return "t", self.worker.verify(batch, draft)
+
+    async def _release(self, ids, pin=None):
+        self.worker.release(ids)
+
+
+@pytest.fixture
+def ingress(tiny_dir):
+    """(ASGI app of the ingress's routes, the ingress, its fake Target)."""
+    import torch
+    from fastapi import FastAPI
+    from starlette.requests import Request
+
+    from serve_app import api
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+
+    target = _Target(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128))
+    cls = next(c for c in api.OpenAIIngress.__mro__ if "completions" in c.__dict__)  # (not Serve's ASGI wrapper)
+    ing = cls({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 128, "batch_wait_timeout_s": 0,
+               "model_name": "m", "max_batch_size": 2, "max_lanes": 1, "max_queued_sequences": 2}, {}, None, target)
+    app = FastAPI()
+    for exc, handler in api.app.exception_handlers.items():
+        app.add_exception_handler(exc, handler)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await cls.completions(ing, request)
+    return app, ing, target
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def _events(text: str) -> list:
+    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+async def _idle(batcher) -> None:
+    for _ in range(200):
+        if not batcher.lanes and not batcher.events and not batcher.queue:
+            return
+        await asyncio.sleep(0.02)
+
+
+BODY = {"model": "m", "prompt": "hello", "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def _request(body: dict, spec_version: str = "2.4"):
+    from starlette.requests import Request
+    raw = json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b"",
+                    "asgi": {"spec_version": spec_version}}, receive)
+
+
+async def _read(response, pause_after_first: float = 0.0, pause_before: float = 0.0) -> list:
+    """A streamed body's events, read by a client that is slow to start or pauses after a chunk."""
+    await asyncio.sleep(pause_before)
+    events = []
+    async for chunk in response.body_iterator:
+        events += _events(chunk)
+        if len(events) == 1:
+            await asyncio.sleep(pause_after_first)
+    return events
+
+
+@pytest.mark.asyncio
+async def test_a_client_gone_before_its_stream_starts_frees_its_sequences(ingress):
+    """Starlette cancels the body of a response whose client already hung up before the body's
+    generator ever ran: the request's sequences must be freed all the same."""
+    app, ing, target = ingress
+    request = _request({**BODY, "max_tokens": 100}, spec_version="2.3")
+    response = await type(ing).completions(ing, request)
+    assert len(ing.batcher.events) == 1  # submitted
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(0)
+    await response(request.scope, gone, send)
+    await _idle(ing.batcher)
+    assert not ing.batcher.events and not ing.batcher.lanes and len(target.worker.table) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_lane_failure_while_the_client_reads_is_an_error_not_a_stop(ingress):
+    """A lane that fails while the stream is paused at a chunk (a slow client) ends the stream
+    with the error, never with finish_reason "stop" over cut-off text."""
+    app, ing, target = ingress
+    target.fail_from = 3
+    response = await type(ing).completions(ing, _request({**BODY, "max_tokens": 50}))
+    events = await _read(response, pause_after_first=0.3)  # the lane fails meanwhile
+    finishes = [ch["choices"][0]["finish_reason"] for ch in events if isinstance(ch, dict) and ch.get("choices")]
+    assert "stop" not in finishes and "length" not in finishes, events
+    assert any(isinstance(e, dict) and "error" in e for e in events), events
+    assert events[-1] == "[DONE]"
+    await _idle(ing.batcher)
+    assert not ing.batcher.errors and not ing.batcher.events
+
+
+@pytest.mark.asyncio
+async def test_a_sequence_finished_before_its_stream_is_watched_is_streamed(ingress):
+    """A short answer can finish before a slow client starts reading: its text and finish chunk
+    are still sent."""
+    app, ing, target = ingress
+    async with _client(app) as c:
+        ref = (await c.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 3})).json()
+    response = await type(ing).completions(ing, _request({**BODY, "max_tokens": 3}))
+    events = await _read(response, pause_before=0.5)  # the answer is done before the stream is read
+    chunks = [e for e in events if isinstance(e, dict)]
+    text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+    assert text == ref["choices"][0]["text"]
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
+    await _idle(ing.batcher)
+    assert len(target.worker.table) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_larger_than_the_server_is_a_400_not_a_503(ingress):
+    """prompts x n beyond lanes x batch + queue can never be admitted: a retry cannot help."""
+    app, ing, target = ingress
+    async with _client(app) as c:
+        r = await c.post("/v1/completions", json={**BODY, "stream": False, "prompt": ["a"] * 5, "max_tokens": 2})
+        ok = await c.post("/v1/completions", json={**BODY, "stream": False, "prompt": ["a"] * 2, "n": 2,
+                                                   "max_tokens": 2})
+    assert r.status_code == 400 and "too many sequences" in r.json()["error"]["message"], r.text
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
