@@ -21,7 +21,7 @@ Retry-After), so accepted work is bounded by memory that is already there. Fairn
 sequences wait while later requests start, so an n = 64 request cannot lock other clients out.
 
 Failures: a failing (or, past `draft_timeout_s`, silent) draft call makes the lane run plain
-rounds for a while (output unchanged: greedy is lossless either way); a lost target replica
+rounds for a while (greedy and seeded output unchanged: both are plain decoding's); a lost target replica
 (actor died, or `TargetFault`: its tensor-parallel group broke) is retried on another replica,
 which re-prefills the lane's sequences from the router's copy of their tokens, until
 `retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503.

@@ -52,6 +52,9 @@ class SpecBatch(Wire):
     # (its second choice there): the smallest draft tree, verified in the same target forward
     ngram_k: list[int] | None = None  # per row: how long drafts found by prompt lookup may run
     # (>= num_draft[i]; the hybrid's n-gram rows: no draft forward, so longer chains are cheap)
+    coupled: list[bool] | None = None  # a speculative round: rows (sampled, seeded) verified against
+    # plain decoding's own draws, their uniforms keyed by position (coupled_verify): whatever was
+    # drafted, k, the batch or a failed call, they emit plain decoding's tokens for their seed
     race: list[bool] | None = None  # a multi-step round: rows (sampled, unseeded: their output need not
     # reproduce) whose in-target draft chains are raced with the noise of the positions they draft
     # (TargetWorker._step_drafts, sampling.race_sample)

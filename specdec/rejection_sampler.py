@@ -16,8 +16,9 @@ Words used everywhere in this project (and only in these senses):
 
 Greedy rows (temperature 0) accept while draft == argmax(target) and then emit the argmax.
 A draft without probabilities (n-gram) has a one-hot q. Prompt lookup inside multi-step plain
-rounds is checked by `coupled_verify` instead: the target's own draws, one uniform per position,
-so that its sampled output is plain decoding's token for token. There, the in-target draft's chains
+rounds, and every draft of a seeded sampled row, is checked by `coupled_verify` instead: the
+target's own draws, one uniform per position, so that the sampled output is plain decoding's
+token for token (a seeded request reproduces whatever is drafted). There, the in-target draft's chains
 of unseeded sampled rows are drawn and checked by the exponential race (`sampling.race_sample`):
 draft and target race with the same noise, an exact draw that the draft matches often. A draft with a reduced vocabulary has q
 zero outside it; the residual max(0, p - q) then still covers every token the target can emit.
@@ -125,39 +126,42 @@ def coupled_verify(target_probs: Tensor, draft_tokens: Tensor, num_draft: Tensor
 
 def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor,
                      draft_probs: DraftProbs | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                     uniforms: Tensor, coupled: bool = False,
+                     uniforms: Tensor, coupled: bool | Tensor = False,
                      race: list | None = None) -> tuple[Tensor, Tensor]:
     """Verify one batched round.
 
     target_logits [B, K+1, V]; draft_tokens [B, K] (rows padded past num_draft [B]);
     draft_probs: sparse q or None (then q is one-hot on the draft tokens);
     temperature/top_k/top_p [B]; uniforms [B, 2, K+1] (accept tests, recovered/bonus draws);
-    coupled: sampled rows check their (deterministic) drafts with `coupled_verify`, where
-    uniforms[:, 1, j] belongs to the j-th position (no accept tests are drawn); `race`: per row,
-    the noise of positions a sampled row draws by the exponential race (see `coupled_verify`).
+    coupled (all rows, or a [B] bool mask): those sampled rows check their drafts with
+    `coupled_verify`, where uniforms[:, 1, j] belongs to the j-th position (no accept tests are
+    drawn; their q is not needed); `race`: per row, the noise of positions a sampled row draws by
+    the exponential race (see `coupled_verify`).
     Returns (output_tokens [B, K+1] with -1 after each row's end, num_accepted [B]).
     """
-    if coupled and draft_probs is not None:
-        raise ValueError("coupled verification checks deterministic drafts: no draft probabilities")
     B, K1, V = target_logits.shape
     K = K1 - 1
     greedy = temperature == 0
     n_acc, final = greedy_verify(target_logits, draft_tokens, num_draft)
     if not bool(greedy.all()):
+        n_acc, final = n_acc.clone(), final.clone()
+        mask = torch.as_tensor(coupled, device=greedy.device).expand(B)
         r = (~greedy).nonzero().squeeze(1)  # rows that sample
         p = logits_to_probs(target_logits[r].reshape(-1, V), temperature[r].repeat_interleave(K1),
                             top_k[r].repeat_interleave(K1), top_p[r].repeat_interleave(K1)).view(-1, K1, V)
-        if coupled:
-            n_r, f_r = coupled_verify(p, draft_tokens[r], num_draft[r], uniforms[r, 1],
-                                      None if race is None else [race[i] for i in r.tolist()])
-        else:
+        c = mask[r]  # of the sampling rows: coupled ones
+        if bool(c.any()):
+            rc = r[c]
+            n_acc[rc], final[rc] = coupled_verify(p[c], draft_tokens[rc], num_draft[rc], uniforms[rc, 1],
+                                                  None if race is None else [race[i] for i in rc.tolist()])
+        if not bool(c.all()):
+            rr = r[~c]
             if draft_probs is None:
-                q = torch.zeros(len(r), K, V, device=p.device).scatter_(2, draft_tokens[r, :, None], 1.0)
+                q = torch.zeros(len(rr), K, V, device=p.device).scatter_(2, draft_tokens[rr, :, None], 1.0)
             else:
-                q = DraftProbs(draft_probs.ids[r], draft_probs.vals[r]).dense(V)
-            n_r, f_r = random_verify(p, draft_tokens[r], num_draft[r], q, uniforms[r, 0], uniforms[r, 1])
-        n_acc, final = n_acc.clone(), final.clone()
-        n_acc[r], final[r] = n_r, f_r
+                q = DraftProbs(draft_probs.ids[rr], draft_probs.vals[rr]).dense(V)
+            n_acc[rr], final[rr] = random_verify(p[~c], draft_tokens[rr], num_draft[rr], q, uniforms[rr, 0],
+                                                 uniforms[rr, 1])
     pos = torch.arange(K1, device=target_logits.device)[None, :]  # [1, K+1]
     padded = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
     out = torch.where(pos < n_acc[:, None], padded, torch.full_like(padded, -1))

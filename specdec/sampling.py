@@ -2,8 +2,11 @@
 
 Randomness never comes from a global generator: every sequence has a base seed (the request's,
 or fresh entropy) and the uniforms of a round are drawn from a generator keyed by (base seed,
-sequence length). A seeded request is therefore reproducible whatever else shares its batch, and
-however often a round is retried (a replica lost, no free cache slot). Samples are drawn by
+sequence length), so a round's draws do not depend on what else shares its batch or on how often
+it is retried (a replica lost, no free cache slot). A seeded request's tokens are, moreover, the
+ones plain decoding draws with its positions' uniforms whatever was drafted (its drafts are
+checked against those draws, `rejection_sampler.coupled_verify`): its output reproduces, with or
+without speculation, whatever k, batch or failed draft call it met. Samples are drawn by
 inverse CDF from one uniform each, which lets the uniforms travel to other processes. Where a draft
 must guess the target's draw (the in-target draft's chains of unseeded sampled rows), a position
 is drawn instead by the exponential race (Gumbel-max) with noise keyed by its uniform

@@ -71,9 +71,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.to_release: list[int] = []
         self.cost = cost or CostModel()  # may be shared by several schedulers (the router's lanes)
-        # Seeded requests must reproduce: their k may depend on their own acceptance history
-        # (itself determined by the seed) but not on timings, so they plan with the prior costs.
-        self.seeded_cost = CostModel()
         self.plain_run = 0  # rounds in a row in which no row drafted (the batch's probe clock)
         self.stats = stats if stats is not None else SpecStats()  # may be shared too (the router's lanes)
 
@@ -82,8 +79,7 @@ class Scheduler:
         seq.eos_token_ids = seq.eos_token_ids or self.eos_token_ids
         seq.max_model_len = min(seq.max_model_len, self.cfg.max_model_len)
         prior = self.cost.acceptance_prior(self.adaptive_cfg.prior_acceptance)
-        cfg = self.adaptive_cfg if seq.params.seed is not None else replace(self.adaptive_cfg, prior_acceptance=prior)
-        seq.adaptive = AdaptiveK(cfg)
+        seq.adaptive = AdaptiveK(replace(self.adaptive_cfg, prior_acceptance=prior))
         self.waiting.append(seq)
         return seq
 
@@ -114,30 +110,33 @@ class Scheduler:
         self.adaptive_cfg = replace(self.adaptive_cfg, k_max=cfg.k_max)
 
     def pinned_k(self, seq: Sequence) -> bool:
-        """The row's k must not depend on timings: a fixed per-request k, or a seeded sampled row
-        (its output must reproduce, and it depends on the round structure)."""
-        p = seq.params
-        return p.num_speculative_tokens is not None or (p.seed is not None and not p.greedy)
+        """The row's k is the request's own (num_speculative_tokens), not the adaptive policy's."""
+        return seq.params.num_speculative_tokens is not None
+
+    @staticmethod
+    def coupled(seq: Sequence) -> bool:
+        """A seeded sampled row: its speculative rounds are verified against plain decoding's own
+        draws (`coupled_verify`, uniforms keyed by position), so that its output is plain
+        decoding's for its seed whatever the drafts, k, round structure, batch or failed calls (a
+        draft replica down, no free draft slot): reproducible. Its drafts are then accepted with
+        probability p(x) rather than min(1, p/q)."""
+        return seq.params.seed is not None and not seq.params.greedy
 
     def choose_k(self, seq: Sequence, batch: int = 1, calibrate: bool = False, throttle: bool = False,
                  probe: bool = True) -> int:
         """k for this row's next round, at most the live k_max and what the row may still emit.
-        `calibrate` / `throttle`: adaptive rows whose k may depend on timings run plain. `probe`:
-        an adaptive row due for a probing round may draft (pinned rows always may: their k must
-        not depend on what shares the batch)."""
+        `calibrate` / `throttle`: adaptive rows run plain. `probe`: an adaptive row due for a
+        probing round may draft."""
         req = seq.params.num_speculative_tokens
         if not self.cfg.speculate:
             k = 0
         elif req is not None:
             k = req
         elif self.cfg.adaptive:
-            pinned = self.pinned_k(seq)
-            if calibrate or (not pinned and (throttle or self.prefilling(seq))):
+            if calibrate or throttle or self.prefilling(seq):
                 return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here; `prefilling`
-            cost = self.seeded_cost if pinned else self.cost
-            k = seq.adaptive.choose(cost, self.proposer_has_model, batch, k_max=self.cfg.k_max,
-                                    measured_win=not pinned and self.cost.speculation_wins(batch),
-                                    probe=probe or pinned)
+            k = seq.adaptive.choose(self.cost, self.proposer_has_model, batch, k_max=self.cfg.k_max,
+                                    measured_win=self.cost.speculation_wins(batch), probe=probe)
         else:
             k = self.cfg.k_max
         return max(0, min(k, self.cfg.k_max, seq.remaining - 1))
@@ -179,12 +178,14 @@ class Scheduler:
         draws = [min(s.remaining, n * (1 + (lookup[i] if lookup else 0))) for i, (s, n) in enumerate(zip(seqs, steps))] \
             if steps else None
         uniforms = torch.zeros(len(seqs), 3, max(draws or [max(ngram_k or [K]) + 1]), dtype=torch.float64)
+        coupled = [self.coupled(s) for s in seqs] if not steps else None
         for i, (s, k) in enumerate(zip(seqs, ks)):
             if s.params.greedy:
                 continue
-            if steps:  # the row's j-th token of the round draws as the plain round at position len + j would
-                uniforms[i, :, : draws[i]] = position_uniforms(s.base_seed, len(s.tokens), draws[i])
-            else:  # keyed by (seed, position): independent of batch and retries
+            if steps or coupled[i]:  # the row's j-th token draws as the plain round at position len + j would
+                n = draws[i] if steps else k + 1
+                uniforms[i, :, :n] = position_uniforms(s.base_seed, len(s.tokens), n)
+            else:  # keyed by (seed, position, k): independent of batch and retries
                 uniforms[i, :, : k + 1] = round_uniforms(s.base_seed, len(s.tokens), k)
         batch = SpecBatch(
             seq_ids=[s.seq_id for s in seqs],
@@ -204,6 +205,7 @@ class Scheduler:
             stop_ids=[s.stop_token_set() for s in seqs] if steps else None,
             siblings=K > 0 and len(seqs) <= self.cfg.siblings_max_batch,
             ngram_k=ngram_k,
+            coupled=coupled if coupled and any(coupled) else None,
             race=[not s.params.greedy and s.params.seed is None for s in seqs] if lookup else None,
         )
         return RoundPlan(seqs, batch, prefill, catch_up)

@@ -120,7 +120,8 @@ class TargetWorker:
                        for r, i in enumerate(rows)]
             if batch.steps is None:
                 u = batch.uniforms[idx][:, 1:, : K + 1]
-                self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, u, out, sib)
+                coupled = torch.tensor([batch.coupled[i] for i in rows]) if batch.coupled else False
+                self._pass(batch, rows, states, drafts, draft.tokens[idx], probs, K, u, out, sib, coupled)
             else:
                 self._multi_step(batch, rows, states, out)
         out.target_time = time.perf_counter() - t0
@@ -284,7 +285,8 @@ class TargetWorker:
 
     def _pass(self, batch: SpecBatch, rows: list[int], states: list, drafts: list[list[int]], draft_tokens,
               probs: DraftProbs | None, K: int, uniforms, out: VerifyOutput, sib: list[int] | None = None,
-              coupled: bool = False, race: list[torch.Tensor | RaceNoise | None] | None = None) -> None:
+              coupled: bool | torch.Tensor = False,
+              race: list[torch.Tensor | RaceNoise | None] | None = None) -> None:
         """One target forward over `rows` (batch indices; their slot states, drafts) and the
         rejection sampler with `uniforms` ([b, 2, K+1]: accept tests, recovered/bonus draws;
         `coupled`, `race`: see `rejection_sample`); appends to `out`.

@@ -103,8 +103,8 @@ def _seq(**params) -> Sequence:
 
 
 def test_pinned_row_does_not_starve_adaptive_rows():
-    """A seeded sampled row (k independent of timings) or a request's fixed k shares the batch:
-    calibration must not keep every adaptive row at k = 0 while it runs."""
+    """A request's fixed k (or a seeded sampled row) shares the batch: calibration must not keep
+    every adaptive row at k = 0 while it runs."""
     for pinned in ({"temperature": 1.0, "seed": 3}, {"temperature": 0, "num_speculative_tokens": 2}):
         sched = Scheduler(SchedulerConfig(max_batch_size=4, k_max=4))
         free, pin = sched.add(_seq(temperature=0)), sched.add(_seq(**pinned))
@@ -384,7 +384,7 @@ def test_measured_win_overrides_a_pessimistic_model():
 
 
 def test_throughput_safeguard_leaves_pinned_rows_alone():
-    """A request's own k (and a seeded row's) never depends on timings."""
+    """A request's own k never depends on timings."""
     sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
     sched.add(_seq(temperature=0, num_speculative_tokens=3))
     assert set(_trace(sched, 120, lambda r: 1.0)) == {3}

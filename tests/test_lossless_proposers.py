@@ -3,13 +3,14 @@
 The target is a tiny random Llama over a 12-token vocabulary: small enough that the exact joint
 distribution of its first three sampled tokens after a prompt can be computed (1 + V + V^2
 forwards of the reference transformers model), peaked and context dependent enough that drafts
-disagree with it. Each case runs N seeded requests through `LLMEngine` with the real proposer
+disagree with it. Each case runs N requests through `LLMEngine` with the real proposer
 (n-gram, draft model with a sparse top-J q, EAGLE with a reduced vocabulary, hybrid), k = 3
 fixed, and compares the empirical joint of (x1, x2, x3) with the exact one by a chi-square test.
 Two prompts share every batch: one that repeats itself (the n-gram and the hybrid's n-gram side
 match from the first round) and one with no repeated token (the hybrid drafts with its model).
 Every proposer also has a deliberately broken variant (a real bug class) that the same harness
-must reject, so the test can fail. Seeds make each run deterministic. Prompt lookup inside
+must reject, so the test can fail. Base seeds from a counter make each run deterministic; seeded
+requests, whose drafts are checked against plain decoding's own draws, are tested too. Prompt lookup inside
 multi-step plain rounds (no proposer call; checked against the target's own draws) is tested the
 same way at the end, with its own broken variant.
 """
@@ -91,14 +92,23 @@ def _exact_joint(ref, prompt: list[int], temp: float, top_k: int, top_p: float) 
 
 
 def _sample(target, proposer: Proposer | None, temp: float, top_k: int, top_p: float, n: int = N,
-            seed0: int = 0) -> dict[int, torch.Tensor]:
-    """Codes x1*V^2 + x2*V + x3 of n seeded requests per prompt (alternating in the batch)."""
+            seed0: int = 0, seeded: bool = False) -> dict[int, torch.Tensor]:
+    """Codes x1*V^2 + x2*V + x3 of n requests per prompt (alternating in the batch). Unseeded
+    requests (rejection sampling, `random_verify`) get their base seeds from a counter here, so that
+    the run is deterministic; seeded ones are checked against plain decoding's draws
+    (`coupled_verify`)."""
+    import itertools
+
+    import specdec.sequence
     eng = LLMEngine(TargetWorker(target, BATCH, 64), proposer, None,
                     EngineConfig(max_batch_size=BATCH, max_model_len=64, num_speculative_tokens=K, adaptive=False),
                     eos_token_ids=[])
-    params = [SamplingParams(max_tokens=STEPS, temperature=temp, top_k=top_k, top_p=top_p, seed=seed0 + i,
-                             ignore_eos=True) for i in range(n)]
-    seqs = eng.generate([PROMPTS[i % 2] for i in range(n)], params)
+    params = [SamplingParams(max_tokens=STEPS, temperature=temp, top_k=top_k, top_p=top_p,
+                             seed=seed0 + i if seeded else None, ignore_eos=True) for i in range(n)]
+    seeds = itertools.count(seed0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(specdec.sequence, "new_base_seed", lambda seed: next(seeds) if seed is None else seed)
+        seqs = eng.generate([PROMPTS[i % 2] for i in range(n)], params)
     out = torch.tensor([s.output_ids for s in seqs])  # [n, STEPS]
     assert eng.stats.proposed > 0
     codes = out[:, 0] * V * V + out[:, 1] * V + out[:, 2]
@@ -179,6 +189,58 @@ def test_sampling_is_lossless_through_proposer(models, kind, case):
         assert prop.inner.ngram_rows > N // 4 and prop.inner.model_rows > N // 4  # both sides drafted
     pv = _pvalues(ref, codes, case)
     assert min(pv) > ALPHA, pv
+
+
+@pytest.mark.parametrize("kind", ["draft", "hybrid"])
+def test_seeded_sampling_is_lossless_through_proposer(models, kind):
+    """Seeded rows: drafts (a sampled q, and the hybrid's n-gram and EAGLE sides) checked against
+    plain decoding's draws."""
+    ref, target, draft, eagle = models
+    prop = Tracking(PROPOSERS[kind](target, draft, eagle))
+    codes = _sample(target, prop, *CASES[0], seed0=200_000, seeded=True)
+    assert prop.rows_drafted > N // 2
+    pv = _pvalues(ref, codes, CASES[0])
+    assert min(pv) > ALPHA, pv
+
+
+class _Flaky(Tracking):
+    """A proposer that drafts nothing for every third call's rows (a draft replica down, no free
+    draft slot)."""
+
+    calls = 0
+
+    def propose(self, batch) -> DraftOutput:
+        self.calls += 1
+        if self.calls % 3 == 0:
+            return DraftOutput.empty(len(batch))
+        return super().propose(batch)
+
+
+@pytest.mark.parametrize("kind", list(PROPOSERS))
+def test_seeded_sampled_output_is_plain_decodings_whatever_is_drafted(models, kind):
+    """A seeded sampled request reproduces: with speculation (adaptive k, batch-mates without
+    seeds, calls that draft nothing) its tokens are plain decoding's for its seed, token for token."""
+    ref, target, draft, eagle = models
+
+    def run(proposer, k, adaptive, mates):
+        eng = LLMEngine(TargetWorker(target, 16, 64), proposer, None,
+                        EngineConfig(max_batch_size=16, max_model_len=64, num_speculative_tokens=k, adaptive=adaptive),
+                        eos_token_ids=[])
+        seeded = [SamplingParams(max_tokens=20, temperature=t, top_k=tk, seed=i, ignore_eos=True)
+                  for i, (t, tk) in enumerate([(1.0, 0), (0.7, 0), (1.0, 6)] * 2)]
+        others = [SamplingParams(max_tokens=20 - i, temperature=1.0, ignore_eos=True) for i in range(mates)]
+        seqs = eng.generate([PROMPTS[i % 2] for i in range(len(seeded) + mates)], seeded + others)
+        return [s.output_ids for s in seqs[: len(seeded)]], eng.stats
+
+    plain, _ = run(None, 0, False, 0)
+    accepted = 0
+    for k, adaptive, mates, flaky in [(3, False, 0, False), (2, True, 4, False), (4, False, 3, True)]:
+        prop = (_Flaky if flaky else Tracking)(PROPOSERS[kind](target, draft, eagle))
+        out, stats = run(prop, k, adaptive, mates)
+        assert prop.rows_drafted > 0  # it speculated
+        assert out == plain, (k, adaptive, mates, flaky)
+        accepted += stats.accepted
+    assert accepted > 0  # and drafts were accepted
 
 
 # ---- broken variants: the harness must reject each ----------------------------------------------
