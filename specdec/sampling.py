@@ -137,8 +137,10 @@ def _unit(x: Tensor) -> Tensor:
 
 
 def _exp(x: Tensor) -> Tensor:
-    """Exp(1) variates (float32) from mixed int64 words."""
-    return (-torch.log(_unit(x) + 2.0 ** -53)).float()  # log of (0, 1]
+    """Exp(1) variates (float32) from mixed int64 words, never 0: a zero would race a token of
+    probability 0 to NaN, which argmax takes for the largest."""
+    e = (-torch.log(_unit(x) + 2.0 ** -53)).float()  # log of (0, 1]
+    return e.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def race_noise(u: Tensor, n: int) -> Tensor:

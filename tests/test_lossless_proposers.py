@@ -301,21 +301,23 @@ class _OneDrawPerStep(TargetWorker):
 
 
 def _sample_lookup(ref, target, worker=TargetWorker, n: int = N, seed0: int = 0, case=CASES[0],
-                   prompts=LOOKUP_PROMPTS, corpus=None, seeded: bool = True):
-    """p-values per prompt of n seeded requests through plain rounds of up to STEPS tokens whose rows
-    verify prompt-lookup tokens (continued from `corpus`, if any) in the same forward (batches of
-    BATCH requests, so that none waits and rounds run multi-step: the prefill round draws x1, one
-    multi-step round x2 and x3)."""
+                   prompts=LOOKUP_PROMPTS, corpus=None, seeded: bool = True, max_tokens: int = STEPS):
+    """p-values per prompt of n seeded requests through plain rounds of up to `max_tokens` tokens
+    whose rows verify prompt-lookup tokens (continued from `corpus`, if any) in the same forward
+    (batches of BATCH requests, so that none waits and rounds run multi-step: the prefill round
+    draws x1, one multi-step round x2 and x3 and any further tokens; (x1, x2, x3) are tested)."""
     eng = LLMEngine(worker(target, BATCH, 64, corpus=corpus), NgramProposer(), None,
                     EngineConfig(max_batch_size=BATCH, max_model_len=64, num_speculative_tokens=0,
-                                 plain_steps=STEPS, lookup_k=STEPS - 1, lookup_max_batch=BATCH, adaptive=False),
+                                 plain_steps=max_tokens, lookup_k=max_tokens - 1, lookup_max_batch=BATCH,
+                                 adaptive=False),
                     eos_token_ids=[])
     out = []
     for lo in range(0, n, BATCH):
-        params = [SamplingParams(max_tokens=STEPS, temperature=case[0], top_k=case[1], top_p=case[2],
+        params = [SamplingParams(max_tokens=max_tokens, temperature=case[0], top_k=case[1], top_p=case[2],
                                  seed=None if seeded is False else seed0 + i, ignore_eos=True)
                   for i in range(lo, min(n, lo + BATCH))]
-        out += [s.output_ids for s in eng.generate([prompts[i % 2] for i in range(lo, lo + len(params))], params)]
+        out += [s.output_ids[:STEPS] for s in eng.generate([prompts[i % 2] for i in range(lo, lo + len(params))],
+                                                           params)]
     out = torch.tensor(out)  # [n, STEPS]
     codes = out[:, 0] * V * V + out[:, 1] * V + out[:, 2]
     return [_pvalue(codes[j::2], _exact_joint(ref, prompts[j], *case)) for j in range(2)], eng.stats
@@ -343,15 +345,16 @@ def test_sampled_draft_in_target_is_lossless(models, case):
 
 
 class _Raced(TargetWorker):
-    """Counts the chain positions drawn by the exponential race (TargetWorker._race_noise), and of
-    them those raced over the draft's reduced vocabulary (sampling.RaceNoise)."""
-    raced = reduced = 0
+    """Counts the chain positions drawn by the exponential race (TargetWorker._race_noise), of
+    them those raced over the draft's reduced vocabulary (sampling.RaceNoise), and the longest chain."""
+    raced = reduced = longest = 0
 
     def _race_noise(self, batch, i, e, k):
         from specdec.sampling import RaceNoise
         noise = super()._race_noise(batch, i, e, k)
         type(self).raced += 0 if noise is None else len(noise)
         type(self).reduced += len(noise) if isinstance(noise, RaceNoise) else 0
+        type(self).longest = max(type(self).longest, 0 if noise is None else len(noise))
         return noise
 
 
@@ -366,7 +369,7 @@ class _PositionNoise(_Raced):
         return None if noise is None else race_noise_over(u, self.vocab_size, self.drafter.token_map)
 
 
-def _sample_raced(models, worker, case, seed0: int, monkeypatch):
+def _sample_raced(models, worker, case, seed0: int, monkeypatch, max_tokens: int = STEPS, draft_k: int = 2):
     """Unseeded requests (their base seeds from a counter here, so that the run is deterministic)
     through the in-target drafter: sampled rows without a seed race their chains."""
     import itertools
@@ -375,9 +378,11 @@ def _sample_raced(models, worker, case, seed0: int, monkeypatch):
     ref, target, _, eagle = models
     seeds = itertools.count(seed0)
     monkeypatch.setattr(specdec.sequence, "new_base_seed", lambda seed: next(seeds) if seed is None else seed)
-    worker.raced = 0
-    make = lambda t, b, m, corpus=None: worker(t, b, m, corpus=corpus, drafter=EagleProposer(eagle, b, m))  # noqa: E731
-    return _sample_lookup(ref, target, make, case=case, prompts=[DISTINCT, DISTINCT[::-1]], seeded=False)
+    worker.raced = worker.longest = 0
+    make = lambda t, b, m, corpus=None: worker(t, b, m, corpus=corpus, drafter=EagleProposer(eagle, b, m),  # noqa: E731
+                                               draft_k=draft_k)
+    return _sample_lookup(ref, target, make, case=case, prompts=[DISTINCT, DISTINCT[::-1]], seeded=False,
+                          max_tokens=max_tokens)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["T1", "T1-topk6-topp0.9"])
@@ -390,6 +395,16 @@ def test_sampled_raced_draft_in_target_is_lossless(models, case, monkeypatch):
     assert _Raced.raced > N // 4  # the race path ran
     assert _Raced.reduced == _Raced.raced  # over the draft's reduced vocabulary (the rest merged)
     assert st.target_draft_accepted > N // 25 and st.target_drafted > st.target_draft_accepted
+    assert min(pv) > ALPHA, pv
+
+
+def test_raced_chains_of_several_tokens_are_lossless(models, monkeypatch):
+    """Chains of up to 3 raced drafts per step (max_tokens 5: the multi-step round's budget of 4
+    leaves them room), so a position whose noise a rejected chain already read is drawn again in
+    the next step."""
+    pv, st = _sample_raced(models, _Raced, CASES[0], 130_000, monkeypatch, max_tokens=5, draft_k=3)
+    assert _Raced.longest >= 2 and _Raced.raced > N // 4  # chains of several raced positions ran
+    assert st.target_draft_accepted > N // 25
     assert min(pv) > ALPHA, pv
 
 

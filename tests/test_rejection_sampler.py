@@ -278,3 +278,14 @@ def test_coupled_verify_races_the_positions_it_is_given_noise_for():
     plain = sample_from_probs(p[1], u[1])
     n1 = int(n_acc[1])
     assert int(final[1]) == int(plain[n1]) and all(int(plain[j]) == 0 for j in range(n1))
+
+
+def test_race_noise_is_never_zero():
+    """The largest 53-bit uniform would give Exp(1) noise 0 (-log 1): a token of probability 0
+    then races to 0/0 = NaN, which argmax takes for the largest, and would be emitted."""
+    from specdec.sampling import _exp, race_sample
+    top = torch.tensor([-1], dtype=torch.int64)  # every bit set: the uniform 1 - 2^-53
+    e = _exp(top)
+    assert float(e) > 0
+    noise = torch.cat([e, torch.ones(1)])[None]  # token 0 (probability 0) draws the zero noise
+    assert int(race_sample(torch.tensor([[0.0, 1.0]]), noise)) == 1
