@@ -294,12 +294,27 @@ async def _generate(batcher, prompt_ids, max_tokens):
         batcher.finish(seq)
 
 
-@pytest.fixture(scope="module")
-def tiny_worker(tiny_dir):
+def _new_worker(tiny_dir, slots: int = 4):
+    import torch
     from specdec.loader import load_model
     from specdec.target_worker import TargetWorker
-    import torch
-    return TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256)
+    return TargetWorker(load_model(tiny_dir, dtype=torch.float32), slots, 256)
+
+
+async def _drain(batcher, seqs):
+    for s in seqs:
+        while not s.finished:
+            await batcher.wait(s)
+        batcher.finish(s)
+    for _ in range(200):
+        if not batcher.lanes and not batcher._background:
+            break
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def tiny_worker(tiny_dir):
+    return _new_worker(tiny_dir)
 
 
 @pytest.mark.asyncio
@@ -464,14 +479,7 @@ async def test_batcher_keeps_releases_across_failed_calls(tiny_dir, tiny_worker,
                          "adaptive": False}, draft, target)
     seqs = batcher.submit([[5, 6, 7, 5, 6, 7]], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                               for n in (2, 40)])
-    for s in seqs:
-        while not s.finished:
-            await batcher.wait(s)
-        batcher.finish(s)
-    for _ in range(200):
-        if not batcher.lanes and not batcher._background:
-            break
-        await asyncio.sleep(0.02)
+    await _drain(batcher, seqs)
     assert draft.slowed and (fault == "draft-timeout" or target.failed)  # the fault happened
     assert draft.proposer.num_active == 0 and len(tiny_worker.table) == 0  # nothing leaked on either side
 
@@ -535,24 +543,6 @@ class _TwoReplicaTarget:
         for name, w in self.workers.items():
             if pin in (None, name):
                 w.release(ids)
-
-
-def _new_worker(tiny_dir, slots: int = 4):
-    import torch
-    from specdec.loader import load_model
-    from specdec.target_worker import TargetWorker
-    return TargetWorker(load_model(tiny_dir, dtype=torch.float32), slots, 256)
-
-
-async def _drain(batcher, seqs):
-    for s in seqs:
-        while not s.finished:
-            await batcher.wait(s)
-        batcher.finish(s)
-    for _ in range(200):
-        if not batcher.lanes and not batcher._background:
-            break
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.asyncio
