@@ -119,7 +119,6 @@ class Lane:
     draft_pin: str | None = None
     draft_down_until: float = 0.0
     pending_draft_release: list[int] = field(default_factory=list)
-    stalled_since: float | None = None  # monotonic time of the first of consecutive rounds no row progressed in
     task: asyncio.Task | None = None
 
     @property
@@ -367,19 +366,12 @@ class Batcher:
         for s in plan.seqs:
             self._notify(s)
         self._profile(r, calls, time.perf_counter() - t0)
-        if len(r.verify.unknown) < len(plan.seqs):
-            lane.stalled_since = None
-            return
-        # No row progressed (the target is out of slots): back off and let the request router pick
-        # again (it avoids other lanes' replicas); past retry_deadline_s, fail rather than wait on.
-        lane.target_pin = None
-        now = time.monotonic()
-        lane.stalled_since = lane.stalled_since or now
-        if now - lane.stalled_since > self.cfg.retry_deadline_s:
-            self._fail_lane(lane, RequestFailed("target unavailable: no replica had room for this request within "
-                                                f"{self.cfg.retry_deadline_s:.0f}s", 503))
-            return
-        await asyncio.sleep(0.05)
+        if len(r.verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
+            # and let the request router pick again (it avoids other lanes' replicas). Slots free as
+            # other lanes finish, and a replica takes back slots no router has touched for a while
+            # (specdec.runner.SlotTable: a crashed router's, a lost release's), so the wait ends.
+            lane.target_pin = None
+            await asyncio.sleep(0.05)
 
     def _profile(self, r: RoundResult, calls: dict[str, float], round_s: float) -> None:
         ds = r.draft.served or (calls["draft_sent"], calls["draft_back"])

@@ -9,12 +9,15 @@ long prompt never pads the whole batch.
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 SHORT_ROW = 16  # rows with at most this many new tokens are batched together
+EVICT_IDLE_S = 30.0  # a full table may take back a slot that no round has touched for this long
 
 
 class CacheFullError(RuntimeError):
@@ -26,14 +29,23 @@ class SlotState:
     slot: int
     tokens: list[int] = field(default_factory=list)  # confirmed tokens of the sequence
     cached: int = 0  # positions [0, cached) of the slot hold valid keys/values
+    used: float = field(default_factory=time.monotonic)  # when a round last synced it
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, max_len: int):
+    """Slots by sequence id. A full table takes back the least recently used slot once it has
+    been idle `evict_idle_s` (its router stopped sending the sequence: it crashed, or a release
+    was lost), calling `on_evict(seq_id)`; should that sequence come back it is unknown here and
+    its router re-prefills it, so taking a slot back is always safe."""
+
+    def __init__(self, num_slots: int, max_len: int, evict_idle_s: float = EVICT_IDLE_S,
+                 on_evict: Callable[[int], None] | None = None):
         self.max_len = max_len
         self.free = list(range(num_slots))
         heapq.heapify(self.free)
         self.seqs: dict[int, SlotState] = {}
+        self.evict_idle_s, self.on_evict = evict_idle_s, on_evict
+        self.evicted = 0
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self.seqs
@@ -51,6 +63,8 @@ class SlotTable:
     def allocate(self, seq_id: int) -> SlotState:
         if seq_id in self.seqs:
             self.release(seq_id)
+        if not self.free and self.seqs:
+            self._evict_idle()
         if not self.free:
             raise CacheFullError("no free KV-cache slot")
         st = SlotState(heapq.heappop(self.free))
@@ -61,6 +75,14 @@ class SlotTable:
         st = self.seqs.pop(seq_id, None)
         if st is not None:
             heapq.heappush(self.free, st.slot)
+
+    def _evict_idle(self) -> None:
+        seq_id, st = min(self.seqs.items(), key=lambda item: item[1].used)
+        if time.monotonic() - st.used >= self.evict_idle_s:
+            self.release(seq_id)
+            self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(seq_id)
 
     def sync(self, seq_id: int, offset: int, new_tokens: list[int]) -> SlotState | None:
         """Apply the confirmed tokens a round brings; offset 0 starts the sequence afresh.
@@ -76,6 +98,7 @@ class SlotTable:
         st = self.seqs.get(seq_id)
         if st is None or len(st.tokens) < offset:
             return None
+        st.used = time.monotonic()
         tail = st.tokens[offset:]
         common = 0
         for a, b in zip(tail, new_tokens):

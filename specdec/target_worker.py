@@ -45,7 +45,7 @@ class TargetWorker:
         self.corpus = corpus  # lookups continue from the target's answers to other questions
         self.max_model_len = max_model_len
         model.setup_cache(num_slots, max_model_len)
-        self.table = SlotTable(num_slots, max_model_len)
+        self.table = SlotTable(num_slots, max_model_len, on_evict=lambda sid: self.release([sid]))
         self.return_hidden = return_hidden
         # An EAGLE-style proposer in this process (`drafter`): in a multi-step round, a row whose own
         # context repeats nothing is drafted `draft_k` tokens per step (a greedy row `greedy_draft_k`:

@@ -73,6 +73,25 @@ def test_slot_table_sync_keeps_agreeing_prefix():
     assert t.num_free == 2
 
 
+def test_a_full_slot_table_takes_back_only_an_idle_slot():
+    """A full table frees the least recently used slot once no round has touched it for
+    evict_idle_s (a sequence no router sends any more), never a slot in use."""
+    import time
+
+    from specdec.runner import CacheFullError
+    evicted = []
+    t = SlotTable(2, 64, evict_idle_s=30, on_evict=evicted.append)
+    t.sync(1, 0, [1, 2])
+    t.sync(2, 0, [3])
+    with pytest.raises(CacheFullError):
+        t.sync(3, 0, [4])  # both in use
+    t[1].used -= 31
+    t.sync(1, 2, [5])  # a round touches it again: in use
+    t[2].used -= 31
+    assert t.sync(3, 0, [4]).slot == 1  # 2 was idle: its slot is 3's now
+    assert evicted == [2] and t.sync(2, 1, [6]) is None  # 2 is unknown: its router re-prefills it
+
+
 def test_missing_model_fails_clearly(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve(tmp_path / "nope")

@@ -31,7 +31,7 @@ class DraftModelProposer(Proposer):
                  top_j: int = TOP_J, **_):
         self.model = model
         model.setup_cache(num_slots, max_model_len)
-        self.table = SlotTable(num_slots, max_model_len)
+        self.table = SlotTable(num_slots, max_model_len, on_evict=lambda sid: self.release([sid]))
         # [V_draft] target ids of the draft head's outputs (host copy: drafts are indexed on the host)
         self.token_map = None if token_map is None else token_map.cpu()
         self.top_j = top_j
