@@ -186,10 +186,12 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     def _resolve_max_model_len(self, margs) -> int:
         """An explicit max_model_len, checked against the model; else the model's own limit, capped
         by the KV-cache budget (as vLLM derives it from the model config and the cache memory)."""
-        limit = margs.max_position_embeddings
+        limit, what = margs.max_position_embeddings, "positions"
+        if margs.sliding_window and margs.sliding_window < limit:  # exact only within one window
+            limit, what = margs.sliding_window, "sliding-window span (not implemented: whole contexts are attended)"
         if self.max_model_len is not None:
             if self.max_model_len > limit:
-                raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's {limit} positions")
+                raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's {limit} {what}")
             return self.max_model_len
         from specdec.loader import parse_dtype
         per_token = margs.kv_bytes_per_token(parse_dtype(self.dtype).itemsize)
@@ -215,7 +217,10 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         from transformers import AutoConfig
 
         src = materialize(resolve(self.target))  # converts a GGUF once, here, not in every replica
-        margs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(src.path))
+        try:
+            margs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(src.path))
+        except ValueError as e:
+            raise ValueError(f"target {self.target}: {e}") from None
         try:
             check_tp(margs, self.tp)
         except ValueError as e:
@@ -245,6 +250,14 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                     check_eagle_fits(dsrc.path, margs)
                 except ValueError as e:
                     raise ValueError(f"draft {self.draft} does not fit target {self.target}: {e}") from None
+            else:
+                try:
+                    dargs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(dsrc.path))
+                except ValueError as e:
+                    raise ValueError(f"draft {self.draft}: {e}") from None
+                if dargs.max_position_embeddings < self.max_model_len:
+                    raise ValueError(f"draft {self.draft} handles {dargs.max_position_embeddings} positions, fewer "
+                                     f"than max_model_len={self.max_model_len}: lower max_model_len")
             try:
                 check_same_vocab(load_tokenizer(src.path), load_tokenizer(dsrc.path), self.target, self.draft)
             except ModelLoadError as e:

@@ -102,10 +102,12 @@ class LLMEngine:
 
 
 def eos_ids_of(tokenizer) -> list[int]:
-    """The tokenizer's EOS plus the chat turn terminators it knows (generation stops at any)."""
+    """The tokenizer's EOS, the EOS ids its checkpoint's generation_config.json and config.json
+    list (Llama 3.1's `<|eom_id|>`, say), and the chat turn terminators it knows (generation stops
+    at any)."""
     if tokenizer is None:
         return []
-    ids = set()
+    ids = set(_checkpoint_eos_ids(getattr(tokenizer, "name_or_path", "") or ""))
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):  # chat turn terminators
@@ -113,3 +115,17 @@ def eos_ids_of(tokenizer) -> list[int]:
         if tid is not None:
             ids.add(int(tid))
     return sorted(ids)
+
+
+def _checkpoint_eos_ids(path: str) -> list[int]:
+    """`eos_token_id` (an id or a list) of the checkpoint directory's generation and model configs."""
+    import json
+    import os
+    ids = []
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            with open(f, encoding="utf-8") as fh:
+                eos = json.load(fh).get("eos_token_id")
+            ids += [int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    return ids

@@ -53,6 +53,7 @@ class ModelArgs:
     attention_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # attention span of (some) layers; not implemented: max_model_len <= it
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes one position of one sequence takes: keys and values of every layer."""
@@ -60,7 +61,10 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelArgs":
+        """The runner's arguments for a Hugging Face config; ValueError for an architecture or a
+        feature this runner does not implement (it would load and compute something else)."""
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        _check_supported(text)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         rope = getattr(text, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
@@ -75,10 +79,45 @@ class ModelArgs:
             rms_norm_eps=text.rms_norm_eps,
             rope_theta=float(theta),
             max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-            attention_bias=bool(getattr(text, "attention_bias", False)) or text.model_type == "qwen2",
+            attention_bias=text.model_type == "qwen2",
             qk_norm=text.model_type in ("qwen3",),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            sliding_window=_sliding_window(text),
         )
+
+
+# Decoders this runner computes exactly as transformers does (tests/test_model.py compares them):
+# Llama's layout, with q/k/v biases (Qwen2) or q/k norms (Qwen3). Others with the same weight
+# names compute something else (Gemma's (1 + w) norms and embedding scale, Granite's multipliers).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _check_supported(text) -> None:
+    kind = getattr(text, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {kind!r} is not supported: this engine runs Llama-style decoders "
+                         f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    unsupported = {
+        f"hidden_act={getattr(text, 'hidden_act', 'silu')!r}": getattr(text, "hidden_act", "silu") not in ("silu", "swish"),
+        "mlp_bias": bool(getattr(text, "mlp_bias", False)),
+        "attention_bias (o_proj bias)": kind != "qwen2" and bool(getattr(text, "attention_bias", False)),
+    }
+    found = [name for name, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"this {kind} checkpoint uses {', '.join(found)}, which this engine does not implement")
+
+
+def _sliding_window(text) -> int | None:
+    """The window of sliding-window attention layers, if the config has any."""
+    window = getattr(text, "sliding_window", None)
+    if not window:
+        return None
+    kinds = getattr(text, "layer_types", None)
+    if kinds is not None:
+        return int(window) if "sliding_attention" in kinds else None
+    if text.model_type in ("qwen2", "qwen3"):
+        return int(window) if getattr(text, "use_sliding_window", False) else None
+    return int(window)
 
 
 class KVCache(nn.Module):
@@ -613,15 +652,19 @@ class Transformer(nn.Module):
             model = cls(args)
         sd = hf_model.state_dict()
         base = "model." if any(k.startswith("model.layers.") for k in sd) else ""
-        mapped = {}
+        mapped, unused = {}, []
         for name, tensor in sd.items():
             if name.startswith(base + "layers.") or name in (base + "embed_tokens.weight", base + "norm.weight"):
                 mapped[name[len(base):]] = tensor
             elif name == "lm_head.weight":
                 mapped[name] = tensor
+            else:
+                unused.append(name)
         if "lm_head.weight" not in mapped:
             mapped["lm_head.weight"] = mapped["embed_tokens.weight"]
-        model.load_state_dict(mapped, strict=False, assign=True)
+        unused += model.load_state_dict(mapped, strict=False, assign=True).unexpected_keys
+        if unused:  # weights of a feature this runner would silently skip
+            raise ValueError(f"checkpoint has weights this engine does not use: {sorted(unused)[:5]}")
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")

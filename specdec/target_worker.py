@@ -41,6 +41,10 @@ class TargetWorker:
         if corpus is not None and corpus.vocab_size > model.args.vocab_size:
             raise ValueError(f"the lookup corpus's vocabulary ({corpus.vocab_size}) is larger than the target's "
                              f"({model.args.vocab_size}): it was made for another model")
+        window = model.args.sliding_window
+        if window and max_model_len > window:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the target's sliding-window span of {window} "
+                             "positions (sliding-window attention is not implemented)")
         self.model = model
         self.corpus = corpus  # lookups continue from the target's answers to other questions
         self.max_model_len = max_model_len

@@ -1,0 +1,124 @@
+"""Local Hugging Face checkpoints of other architectures: those the runner implements compute what
+transformers computes; the rest are refused with a clear error when the app is built, never loaded
+to compute something else (Gemma's, Granite's weights have Llama's names)."""
+import json
+
+import pytest
+import torch
+
+from specdec.model import ModelArgs
+
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _config(kind: str, **extra):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(kind, **{**SMALL, **extra})
+
+
+def _checkpoint(path, kind: str, **extra):
+    """A random-init checkpoint of `kind` with the tiny tokenizer at `path`."""
+    from tiny_models import tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(kind, **extra))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)  # biases and norms too: a skipped one shows
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("llama", {"tie_word_embeddings": True, "head_dim": 32}),
+    ("mistral", {"sliding_window": None}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 32}),
+], ids=["llama-rope-llama3", "llama-tied-head-dim", "mistral", "qwen2-biases", "qwen3-qk-norm"])
+def test_supported_architectures_match_transformers(tmp_path, kind, extra):
+    from specdec.loader import load_hf_model, load_model
+    path = _checkpoint(tmp_path, kind, **extra)
+    hf, model = load_hf_model(path), load_model(path)
+    ids = list(range(3, 40))
+    model.setup_cache(1, 64)
+    with torch.inference_mode():
+        logits, _ = model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), n_logits=len(ids))
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert torch.allclose(logits[0], ref, atol=1e-4), (logits[0] - ref).abs().max()
+
+
+@pytest.mark.parametrize("kind, extra, match", [
+    ("gemma", {}, "model_type 'gemma' is not supported"),
+    ("granite", {}, "model_type 'granite' is not supported"),
+    ("gpt2", {}, "model_type 'gpt2' is not supported"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_unsupported_architectures_are_refused(kind, extra, match):
+    with pytest.raises(ValueError, match=match):
+        ModelArgs.from_hf_config(_config(kind, **extra))
+
+
+def test_an_unsupported_target_or_draft_fails_the_build(tmp_path, tiny_dir):
+    from serve_app.args import AppArgs
+    gemma = _checkpoint(tmp_path / "gemma", "gemma")
+    with pytest.raises(ValueError, match=f"target {gemma}: model_type 'gemma' is not supported"):
+        AppArgs(target=str(gemma), proposer="ngram", dtype="float32").validate_models()
+    with pytest.raises(ValueError, match=f"draft {gemma}: model_type 'gemma' is not supported"):
+        AppArgs(target=str(tiny_dir), proposer="draft", draft=str(gemma), dtype="float32",
+                max_model_len=128).validate_models()
+
+
+def test_a_draft_with_fewer_positions_than_max_model_len_is_refused(tmp_path, tiny_dir):
+    from serve_app.args import AppArgs
+    from tiny_models import make_tiny_checkpoint
+    short = make_tiny_checkpoint(tmp_path / "short", seed=1, layers=1, max_pos=64)
+    with pytest.raises(ValueError, match="handles 64 positions"):
+        AppArgs(target=str(tiny_dir), proposer="draft", draft=str(short), dtype="float32",
+                max_model_len=128).validate_models()
+    AppArgs(target=str(tiny_dir), proposer="draft", draft=str(short), dtype="float32",
+            max_model_len=64).validate_models()
+
+
+def test_sliding_window_attention_bounds_max_model_len(tmp_path):
+    """The runner attends over whole contexts: exact for a sliding-window model only while a
+    context fits in one window."""
+    from serve_app.args import AppArgs
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    path = _checkpoint(tmp_path, "mistral", sliding_window=32)
+    args = AppArgs(target=str(path), proposer="ngram", dtype="float32")
+    args.validate_models()
+    assert args.max_model_len == 32  # derived: capped at the window
+    with pytest.raises(ValueError, match="sliding-window span"):
+        AppArgs(target=str(path), proposer="ngram", dtype="float32", max_model_len=64).validate_models()
+    with pytest.raises(ValueError, match="sliding-window span"):
+        TargetWorker(load_model(path), 1, 64)
+    assert ModelArgs.from_hf_config(_config("qwen2", use_sliding_window=False, sliding_window=32)).sliding_window is None
+
+
+def test_weights_the_runner_would_not_use_are_an_error(tiny_dir):
+    """A checkpoint with tensors the runner does not map (a feature it does not implement) fails
+    to load instead of running without them."""
+    from specdec.loader import load_hf_model
+    from specdec.model import Transformer
+    hf = load_hf_model(tiny_dir)
+    hf.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match="does not use"):
+        Transformer.from_hf(hf)
+
+
+def test_generation_config_eos_ids_end_generation(tmp_path):
+    """EOS ids a checkpoint lists in generation_config.json (e.g. Llama 3.1's <|eom_id|>) stop
+    generation like the tokenizer's own."""
+    from specdec.engine import eos_ids_of
+    from specdec.loader import load_tokenizer
+    from tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path, seed=0, layers=1)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 108]}))
+    assert {0, 108} <= set(eos_ids_of(load_tokenizer(path)))
