@@ -26,6 +26,8 @@ class AffinityRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        if pending_request is not None:  # a choice that was full is retried after a backoff, not in a tight loop
+            pending_request.routing_context.should_backoff = True
         pin = kwargs.get("pin")
         if pin:
             for r in candidate_replicas:

@@ -26,6 +26,7 @@ proposing it. "Recent" gauges cover the last `window_s` seconds of rounds.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -383,13 +384,16 @@ class LoadMeter:
         self._events: deque = deque()
         self._tokens = 0
         self._busy = 0.0
+        # the model thread records, Serve's autoscaling-stats call reads (another thread)
+        self._lock = threading.Lock()
 
     def record(self, tokens: int, busy_s: float) -> None:
-        now = self._clock()
-        self._events.append((now, int(tokens), float(busy_s)))
-        self._tokens += int(tokens)
-        self._busy += float(busy_s)
-        self._evict(now)
+        with self._lock:
+            now = self._clock()
+            self._events.append((now, int(tokens), float(busy_s)))
+            self._tokens += int(tokens)
+            self._busy += float(busy_s)
+            self._evict(now)
 
     def _evict(self, now: float) -> None:
         horizon = now - self.window_s
@@ -402,11 +406,13 @@ class LoadMeter:
         return max(1e-9, min(self.window_s, now - self._started))
 
     def tokens_per_s(self) -> float:
-        now = self._clock()
-        self._evict(now)
-        return self._tokens / self._span(now)
+        with self._lock:
+            now = self._clock()
+            self._evict(now)
+            return self._tokens / self._span(now)
 
     def busy_fraction(self) -> float:
-        now = self._clock()
-        self._evict(now)
-        return min(1.0, max(0.0, self._busy / self._span(now)))
+        with self._lock:
+            now = self._clock()
+            self._evict(now)
+            return min(1.0, max(0.0, self._busy / self._span(now)))

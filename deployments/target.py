@@ -256,5 +256,5 @@ class TargetDeployment:
             ray.get([w.ping.remote() for w in self.workers], timeout=10)
 
     def record_autoscaling_stats(self) -> dict:
-        return {TARGET_TOKENS_PER_S: self.tokens.tokens_per_s(), TARGET_ACTIVE_SEQUENCES: float(len(self.worker.table)),
+        return {TARGET_TOKENS_PER_S: self.tokens.tokens_per_s(), TARGET_ACTIVE_SEQUENCES: float(self.worker.table.active()),
                 TARGET_BUSY_FRACTION: self.tokens.busy_fraction()}

@@ -143,7 +143,9 @@ class OpenAIIngress:
     def reconfigure(self, user_config: dict) -> None:
         self.batcher.reconfigure(user_config)
 
-    def record_autoscaling_stats(self) -> dict:
+    async def record_autoscaling_stats(self) -> dict:
+        """On the lanes' event loop (a plain method would run in Serve's thread pool, racing the
+        rounds that update the same windows)."""
         return self.batcher.record_autoscaling_stats()
 
     # ---- routes -------------------------------------------------------------------------------

@@ -27,9 +27,13 @@ def _scaling(args: AppArgs, name: str, initial: int, upper: int) -> dict:
     if not args.autoscaling:
         return {"num_replicas": initial}
     from serve_app.autoscaling import autoscaling_config
+    # capacities this app's own arguments give (a user's autoscaling_policy_kwargs win): a Target
+    # replica holds target_slots sequences, a Router replica its lanes' rows
+    sized = {"target_sequences_per_replica": float(args.target_slots),
+             "router_ongoing_per_replica": float(args.router_config().max_lanes * args.max_batch_size)}
     return {"autoscaling_config": autoscaling_config(name, min_replicas=1, max_replicas=max(upper, initial),
                                                      initial_replicas=initial,
-                                                     policy_kwargs=args.autoscaling_policy_kwargs)}
+                                                     policy_kwargs={**sized, **args.autoscaling_policy_kwargs})}
 
 
 # Serve's per-replica switches for the per-round hops (read when a replica's process imports

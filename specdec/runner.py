@@ -76,6 +76,12 @@ class SlotTable:
         if st is not None:
             heapq.heappush(self.free, st.slot)
 
+    def active(self) -> int:
+        """Sequences a round touched within evict_idle_s (the others may be abandoned: load that
+        is not there)."""
+        now = time.monotonic()
+        return sum(1 for st in list(self.seqs.values()) if now - st.used < self.evict_idle_s)
+
     def _evict_idle(self) -> None:
         seq_id, st = min(self.seqs.items(), key=lambda item: item[1].used)
         if time.monotonic() - st.used >= self.evict_idle_s:

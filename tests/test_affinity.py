@@ -59,3 +59,22 @@ async def test_unpinned_calls_avoid_replicas_other_lanes_use():
 @pytest.mark.asyncio
 async def test_pin_of_a_gone_replica_falls_back_to_a_live_one():
     assert await _route({"a": 0.0, "b": 0.0}, ["dead"], avoid=["a"]) == ["b"]
+
+
+@pytest.mark.asyncio
+async def test_a_call_pinned_to_a_full_replica_backs_off():
+    """A pinned replica at max_ongoing_requests is probed again after Serve's backoff, not in a
+    tight loop on the router's event loop."""
+    class Full(FakeReplica):
+        probes = 0
+
+        async def get_queue_len(self, *, deadline_s: float) -> int:
+            type(self).probes += 1
+            return self.max_ongoing_requests
+
+    router = AffinityRequestRouter(deployment_id=DeploymentID(name="target", app_name="app"),
+                                   handle_source=DeploymentHandleSource.REPLICA)
+    router.update_replicas([Full("full", 0.0)])
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(router._choose_replica_for_request(_pending(0, "full", [])), 0.5)
+    assert Full.probes < 40, Full.probes  # a tight loop probes hundreds of times in 0.5 s

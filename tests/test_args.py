@@ -116,3 +116,16 @@ def test_compile_reaches_the_target_and_needs_one_cpu_rank(short_dir):
     assert not _resolved(target=str(short_dir), lookup_corpus=None).target_config().compile
     with pytest.raises(ValueError, match="compile needs tp=1"):
         _resolved(target=str(short_dir), lookup_corpus=None, compile=True, tp=2).target_config()
+
+
+def test_autoscaling_capacities_follow_the_apps_own_sizes(short_dir):
+    """A Target replica holds max_batch_size x lanes_per_target sequences and a Router its lanes'
+    rows: the policies measure load against those, not against fixed defaults (a 64-slot Target
+    at a quarter of its slots was scaled out); a user's autoscaling_policy_kwargs still win."""
+    from serve_app.builder import _scaling
+    a = _resolved(target=str(short_dir), autoscaling=True, max_batch_size=4, lanes_per_target=3,
+                  max_target_replicas=2)
+    kwargs = _scaling(a, "Target", 1, 2)["autoscaling_config"].policy.policy_kwargs
+    assert kwargs["target_sequences_per_replica"] == 12 and kwargs["router_ongoing_per_replica"] == 24
+    b = _resolved(target=str(short_dir), autoscaling=True, autoscaling_policy_kwargs={"target_sequences_per_replica": 5})
+    assert _scaling(b, "Target", 1, 2)["autoscaling_config"].policy.policy_kwargs["target_sequences_per_replica"] == 5

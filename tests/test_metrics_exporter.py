@@ -209,6 +209,37 @@ def test_load_meter():
     assert meter.tokens_per_s() == 0.0 and meter.busy_fraction() == 0.0
 
 
+def test_load_meter_is_safe_across_threads():
+    """The model thread records while Serve's thread pool reads the autoscaling stats: the running
+    sums must stay those of the window's events (a race left phantom tokens/s for good)."""
+    import sys
+    import threading
+    import time
+    meter = M.LoadMeter(window_s=0.0005)
+    stop = time.monotonic() + 1.0
+    errors = []
+
+    def run(fn):
+        try:
+            while time.monotonic() < stop:
+                fn()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, as a busy replica would
+    try:
+        threads = [threading.Thread(target=run, args=(lambda: meter.record(3, 0.001),)),
+                   threading.Thread(target=run, args=(lambda: (meter.tokens_per_s(), meter.busy_fraction()),))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    time.sleep(0.01)
+    assert not errors and meter.tokens_per_s() == 0.0 and meter._tokens == 0
+
+
 def test_real_ray_metric_classes_accept_every_definition():
     # No cluster: Ray's metric objects still validate names, tags and boundaries locally.
     with warnings.catch_warnings():

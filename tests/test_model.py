@@ -90,6 +90,8 @@ def test_a_full_slot_table_takes_back_only_an_idle_slot():
     t[2].used -= 31
     assert t.sync(3, 0, [4]).slot == 1  # 2 was idle: its slot is 3's now
     assert evicted == [2] and t.sync(2, 1, [6]) is None  # 2 is unknown: its router re-prefills it
+    t[1].used -= 31
+    assert t.active() == 1  # 3; 1 is idle: not load (autoscaling's active sequences)
 
 
 def test_missing_model_fails_clearly(tmp_path):
