@@ -201,7 +201,7 @@ class OpenAIIngress:
         limit = self.api.max_body_bytes
         too_large = APIError(f"Request body too large: limit is {limit} bytes.", status=413, code="body_too_large")
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
+        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:  # ("²".isdigit())
             raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():

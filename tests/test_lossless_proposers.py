@@ -452,3 +452,16 @@ def test_harness_rejects_lookup_with_one_draw_per_step(models):
     pv, st = _sample_lookup(ref, target, _OneDrawPerStep, seed0=9)
     assert st.lookup_accepted > N // 10
     assert min(pv) < ALPHA, pv
+
+
+def test_a_draft_vocabulary_smaller_than_top_j_drafts(models):
+    """q's truncation is min(top_j, vocabulary) wide everywhere (a 12-token draft with the default
+    top_j crashed when sampled)."""
+    ref, target, draft, eagle = models
+    prop = Tracking(DraftModelProposer(draft, 8, 64))
+    assert prop.inner.top_j > V
+    eng = LLMEngine(TargetWorker(target, 8, 64), prop, None,
+                    EngineConfig(max_batch_size=8, max_model_len=64, num_speculative_tokens=K, adaptive=False),
+                    eos_token_ids=[])
+    seqs = eng.generate([DISTINCT] * 4, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True))
+    assert prop.rows_drafted > 0 and all(len(s.output_ids) == 8 for s in seqs)

@@ -95,7 +95,7 @@ class DraftModelProposer(Proposer):
         self.release(batch.release)
         B, K = len(batch), batch.max_draft
         tokens = torch.zeros(B, K, dtype=torch.long)
-        J = self.top_j if self.token_map is None else min(self.top_j, len(self.token_map))
+        J = min(self.top_j, self.model.args.vocab_size if self.token_map is None else len(self.token_map))  # as _choose
         q_ids = torch.zeros(B, K, J, dtype=torch.long)
         q_vals = torch.zeros(B, K, J)
         num, unknown, states = [0] * B, [], {}
