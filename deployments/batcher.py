@@ -113,6 +113,25 @@ class Overloaded(RequestFailed):
 
 
 @dataclass
+class _RequestTally:
+    """A request's figures for the metrics while its sequences (prompts x n) finish."""
+
+    left: int  # sequences not finished yet
+    prompt_tokens: int  # each prompt once
+    completion_tokens: int = 0
+    reason: str = "stop"  # abort if any was aborted, else length if any hit its limit, else stop
+
+    def add(self, seq: Sequence) -> bool:
+        """Count a finished sequence; whether it was the request's last."""
+        self.left -= 1
+        self.completion_tokens += seq.num_output
+        rank = ("stop", "length", "abort")
+        r = seq.finish_reason if seq.finish_reason in rank else "abort"
+        self.reason = max(self.reason, r, key=rank.index)
+        return self.left == 0
+
+
+@dataclass
 class Lane:
     scheduler: Scheduler
     target_pin: str | None = None
@@ -147,6 +166,7 @@ class Batcher:
         self.draft_failures: dict[str, int] = {}  # failed Draft calls by exception type (each: a lane without drafts)
         self.rounds_by_target: dict[str, int] = {}  # target replica id -> rounds it verified
         self.metrics = self._make_metrics()
+        self.requests: dict = {}  # request group -> _RequestTally (metrics count requests, not sequences)
         self._background: set[asyncio.Task] = set()  # releases re-delivered after a failed call
         self.id = replica_id()
         ensure_provider()
@@ -201,8 +221,10 @@ class Batcher:
             s.meta["group"] = group
             self.events[s.seq_id] = asyncio.Event()
             self.queue.append(s)
-            if self.metrics:
-                self.metrics.record_request_start()
+        if self.metrics:
+            self.metrics.record_request_start()
+            self.requests[group] = _RequestTally(len(seqs), sum(map(len, prompts)))
+            self._record_load()
         self._spawn_lanes()
         return seqs
 
@@ -231,8 +253,11 @@ class Batcher:
                         break
         ev.set()  # wake a waiter that is still parked on it
         self.errors.pop(seq.seq_id, None)
-        if self.metrics:
-            self.metrics.record_request_end(seq.finish_reason or "abort", seq.prompt_len, seq.num_output)
+        tally = self.requests.get(seq.meta.get("group"))
+        if tally is not None and tally.add(seq):  # its request's last sequence
+            del self.requests[seq.meta.get("group")]
+            self.metrics.record_request_end(tally.reason, tally.prompt_tokens, tally.completion_tokens)
+            self._record_load()
 
     # ---- lanes --------------------------------------------------------------------------------
     def _row_cap(self) -> int:
@@ -296,6 +321,8 @@ class Batcher:
             if lane.scheduler.has_work:  # cancelled (replica shutting down): no request may hang
                 self._fail_lane(lane, RequestFailed("request cancelled: the server is shutting down", 503))
             self.lanes.remove(lane)
+            if self.metrics:
+                self._record_load()  # no round will: the gauges must not keep the lane's rows
             await self._flush_releases(lane)
             if self.queue:
                 self._spawn_lanes()  # opens lanes only for sequences that may start

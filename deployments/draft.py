@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from deployments.tracing import ensure_provider
+from deployments.tracing import ensure_provider, flush
 from deployments.common import ModelRuntime, ModelThread, replica_id
 from deployments.metrics import DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, LoadMeter
 from specdec.loader import parse_dtype
@@ -62,6 +62,9 @@ class DraftDeployment:
         self.id = replica_id()
         ensure_provider()
         log.info("draft replica %s ready (%s)", self.id, c.proposer)
+
+    def __del__(self) -> None:
+        flush()  # Serve stops the replica (ray.kill skips atexit): export the spans it still buffers
 
     async def propose(self, batch: SpecBatch, pin: str | None = None,
                       avoid: list[str] | None = None) -> tuple[str, DraftOutput]:

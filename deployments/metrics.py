@@ -127,10 +127,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(LOOKUP_ACCEPTED_TOKENS, "counter", "Prompt-lookup tokens the target accepted."),
     MetricSpec(DRAFT_FAILURES, "counter", "Draft calls that failed or timed out, by exception type (each turns "
                "its lane's drafts off for draft_backoff_s).", tag_keys=("error",)),
-    MetricSpec(REQUESTS_STARTED, "counter", "Requests admitted."),
-    MetricSpec(REQUESTS_FINISHED, "counter", "Requests finished, by finish reason.",
-               tag_keys=("finish_reason",)),
-    MetricSpec(PROMPT_TOKENS, "counter", "Prompt tokens of finished requests."),
+    MetricSpec(REQUESTS_STARTED, "counter", "Requests admitted (an HTTP request, whatever its prompts and n)."),
+    MetricSpec(REQUESTS_FINISHED, "counter", "Requests finished, by finish reason (of several choices: abort if "
+               "any was aborted, else length if any hit its limit, else stop).", tag_keys=("finish_reason",)),
+    MetricSpec(PROMPT_TOKENS, "counter", "Prompt tokens of finished requests (each prompt once, whatever n)."),
     MetricSpec(COMPLETION_TOKENS, "counter", "Completion tokens of finished requests."),
     # gauges
     MetricSpec(ACCEPTANCE_RATE, "gauge", "Draft acceptance rate (accepted / proposed), recent window."),
@@ -329,16 +329,15 @@ class RouterMetrics:
         if w.proposed:
             self._last_acceptance = w.accepted / w.proposed
             m[ACCEPTANCE_RATE].set(self._last_acceptance)
-        if w.spec_rows:
-            m[NUM_DRAFT_MEAN].set(w.proposed / w.spec_rows)
+        m[NUM_DRAFT_MEAN].set(w.proposed / w.spec_rows if w.spec_rows else 0.0)
         if w.row_rounds:
             m[MEAN_ACCEPTED_LENGTH].set((w.accepted + w.row_rounds) / w.row_rounds)
         gauge = m[POSITION_ACCEPTANCE]
         while len(self._pos_tags) < len(w.pos_proposed):
             self._pos_tags.append({"position": str(len(self._pos_tags))})
-        for j, p in enumerate(w.pos_proposed):
-            if p:
-                gauge.set(w.pos_accepted[j] / p, tags=self._pos_tags[j])
+        for j, tags in enumerate(self._pos_tags):  # every position ever shown: 0 once none is proposed there
+            p = w.pos_proposed[j] if j < len(w.pos_proposed) else 0
+            gauge.set(w.pos_accepted[j] / p if p else 0.0, tags=tags)
 
     def _span(self, now: float) -> float:
         return max(1e-9, min(self._window.window_s, now - self._started))

@@ -13,6 +13,7 @@ Serve replaces the whole group.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ import ray
 import torch
 from pydantic import Field, model_validator
 
-from deployments.tracing import ensure_provider
+from deployments.tracing import ensure_provider, flush
 from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads
 from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
                                  LoadMeter)
@@ -105,6 +106,10 @@ class TPWorker:
     def ping(self) -> tuple[int, int]:
         return self.rank, os.getpid()
 
+    def flush(self) -> None:
+        """Export buffered spans: the worker dies with its replica (ray.kill skips atexit)."""
+        flush()
+
 
 class TPGroupModel:
     """Rank 0's view of the group: calling it runs the forward on every rank, returns rank 0's."""
@@ -168,6 +173,14 @@ class TargetDeployment:
         self.id = replica_id()
         ensure_provider()
         log.info("target replica %s ready (tp=%d, %s)", self.id, self.cfg.tp, self.cfg.dtype)
+
+    async def __del__(self) -> None:
+        """Serve stops the replica: its spans and its TP workers' still buffered are exported."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.flush.remote() for w in getattr(self, "workers", []))), 5)
+        except Exception as e:  # noqa: BLE001 - a dead worker has nothing to send
+            log.warning("TP workers' spans not flushed: %r", e)
+        flush()
 
     def _load(self) -> TargetWorker:
         model = _load_rank(self.cfg, 0, self.cfg.tp)

@@ -26,12 +26,22 @@ from opentelemetry.propagate import inject as _inject
 SCOPE = "specdec"
 _tracer: Any = trace.get_tracer(SCOPE)  # follows the global provider until use_tracer() says otherwise
 _setup_done = False
+_flush: Any = None  # the provider's force_flush(timeout_millis), when setup_tracing installed one
 
 
-def use_tracer(tracer: Any | None) -> None:
-    """Open spans with `tracer` (serve_app.telemetry's); None: the global provider's."""
-    global _tracer
+def use_tracer(tracer: Any | None, flush: Any = None) -> None:
+    """Open spans with `tracer` (serve_app.telemetry's); None: the global provider's. `flush`:
+    exports what its provider still buffers (see `flush`)."""
+    global _tracer, _flush
     _tracer = tracer if tracer is not None else trace.get_tracer(SCOPE)
+    _flush = flush
+
+
+def flush(timeout_s: float = 5.0) -> None:
+    """Export the spans a batch processor still holds: call it when a replica or worker stops
+    (Serve stops a replica with ray.kill, which skips atexit handlers)."""
+    if _flush is not None:
+        _flush(int(timeout_s * 1000))
 
 
 def ensure_provider() -> None:
@@ -72,10 +82,11 @@ class _Span:
 
 
 def start_span(name: str, carrier: Mapping[str, str] | None = None, **attrs) -> tuple[Any, Context]:
-    """A span the caller ends, child of `carrier`'s context (else a root), and the Context that
-    holds it (give it to work done for this span: it is what `inject(ctx)` sends on)."""
+    """A span the caller ends, child of `carrier`'s context (an incoming `traceparent`), else of
+    the current one (e.g. Serve's request span), else a root; and the Context that holds it (give
+    it to work done for this span: it is what `inject(ctx)` sends on)."""
     ensure_provider()
-    parent = extract(carrier)
+    parent = _extract(carrier or {}, context=otel_context.get_current())
     sp = _tracer.start_span(name, context=parent, attributes=attrs or None)
     return sp, trace.set_span_in_context(sp, parent)
 

@@ -130,6 +130,9 @@ class OpenAIIngress:
                              f"${constants.API_KEYS_FILE_ENV} or api.api_keys_file")
         self.vocab_size = len(self.tokenizer)
 
+    def __del__(self) -> None:
+        tracing.flush()  # Serve stops the replica (ray.kill skips atexit): export the spans it still buffers
+
     @property
     def cfg(self):
         """The batcher's configuration (runtime knobs change it through `reconfigure`)."""

@@ -78,12 +78,16 @@ class TracingConfig(BaseModel):
         get = lambda k: (env.get(k) or "").strip().lower()  # noqa: E731
         exporter = get("SPECDEC_TRACING_EXPORTER")
         if not exporter:
-            otel_exporter = get("OTEL_TRACES_EXPORTER").split(",")[0].strip()
+            listed = [x.strip() for x in get("OTEL_TRACES_EXPORTER").split(",") if x.strip()]
+            known = [x for x in listed if x in ("otlp", "console", "none")]
             endpoint = get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            if listed != known[:1]:
+                logger.warning("OTEL_TRACES_EXPORTER=%s: one exporter of otlp, console, none is supported; using %s",
+                               ",".join(listed), known[0] if known else "none")
             if get("OTEL_SDK_DISABLED") == "true":
                 exporter = "none"
-            elif otel_exporter in ("otlp", "console", "none"):
-                exporter = otel_exporter
+            elif listed:
+                exporter = known[0] if known else "none"  # (an unknown exporter never turns into otlp)
             else:
                 exporter = "otlp" if endpoint else "none"
         path = (env.get("SPECDEC_TRACING_PATH") or "").strip() or None
@@ -228,7 +232,7 @@ def setup_tracing(cfg: TracingConfig | None = None) -> Any:
             if isinstance(existing, trace.ProxyTracerProvider):
                 trace.set_tracer_provider(provider)  # so library instrumentation sees it too
         _provider = provider
-        tracing.use_tracer(provider.get_tracer(tracing.SCOPE))
+        tracing.use_tracer(provider.get_tracer(tracing.SCOPE), flush=provider.force_flush)
         return provider
 
 

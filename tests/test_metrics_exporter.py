@@ -209,6 +209,16 @@ def test_load_meter():
     assert meter.tokens_per_s() == 0.0 and meter.busy_fraction() == 0.0
 
 
+def test_window_gauges_fall_back_when_their_rounds_leave_the_window(fakes):
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    rm.record_round(1, [4], [4], [5], 0.01, 0.02, 0.03)
+    clock.t += 60
+    rm.record_round(1, [0], [0], [1], 0.01, 0.02, 0.03)  # speculation off since
+    assert fakes[M.NUM_DRAFT_MEAN].last() == 0.0
+    assert fakes[M.POSITION_ACCEPTANCE].last(position="3") == 0.0  # not 1.0 from a minute ago
+
+
 def test_load_meter_is_safe_across_threads():
     """The model thread records while Serve's thread pool reads the autoscaling stats: the running
     sums must stay those of the window's events (a race left phantom tokens/s for good)."""
@@ -287,3 +297,46 @@ def test_dashboard_is_importable_grafana_json():
             for t in p["targets"]:
                 assert t["datasource"] == "${datasource}" and t["expr"].count("(") == t["expr"].count(")")
                 assert t["expr"].count("{") == t["expr"].count("}")
+
+
+@pytest.mark.asyncio
+async def test_request_metrics_count_requests_not_choices(fakes, tiny_dir):
+    """One request of n = 4 choices of a 3-token prompt is one request and 3 prompt tokens (as
+    its usage says), and the queue gauges drop to 0 when its lane closes."""
+    import asyncio
+
+    import torch
+    from deployments.batcher import Batcher
+    from specdec.loader import load_model
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    worker = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128)
+
+    class Target:
+        class verify:  # noqa: N801 - a handle's method
+            @staticmethod
+            async def remote(batch, draft, pin=None, avoid=None):
+                return "t", worker.verify(batch, draft)
+
+        class release:  # noqa: N801
+            @staticmethod
+            async def remote(ids, pin=None):
+                worker.release(ids)
+
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 128, "batch_wait_timeout_s": 0},
+                None, Target())
+    seqs = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 3, 4, 5)])
+    for s in seqs:
+        while not s.finished:
+            await b.wait(s)
+        b.finish(s)
+    for _ in range(100):
+        if not b.lanes:
+            break
+        await asyncio.sleep(0.02)
+    assert fakes[M.REQUESTS_STARTED].total() == 1
+    assert fakes[M.REQUESTS_FINISHED].total(finish_reason="length") == 1
+    assert fakes[M.PROMPT_TOKENS].total() == 3 and fakes[M.COMPLETION_TOKENS].total() == 14
+    assert fakes[M.REQUESTS_IN_FLIGHT].last() == 0
+    assert fakes[M.QUEUE_RUNNING].last() == 0 and fakes[M.QUEUE_WAITING].last() == 0

@@ -173,10 +173,38 @@ def test_from_env_picks_the_exporter_and_leaves_the_rest_to_the_sdk():
     assert TracingConfig.from_env({"OTEL_TRACES_EXPORTER": "console"}).exporter == "console"
     assert TracingConfig.from_env({"OTEL_SDK_DISABLED": "true",
                                    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).exporter == "none"
+    assert TracingConfig.from_env({"OTEL_TRACES_EXPORTER": "zipkin",  # unsupported: never otlp instead
+                                   "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).exporter == "none"
+    assert TracingConfig.from_env({"OTEL_TRACES_EXPORTER": "zipkin,console"}).exporter == "console"
     with pytest.raises(ValueError):
         TracingConfig(exporter="jsonl")
     with pytest.raises(ValueError):
         TracingConfig(exporter="otlp", sampling_ratio=1.5)
+
+
+def test_a_request_span_is_a_child_of_the_current_span_without_a_traceparent():
+    """Serve's request span is current when the ingress opens `router.request`: with no
+    traceparent header it must be the parent (one trace per request, not two)."""
+    T.setup_tracing(TracingConfig(exporter="memory"))
+    with tracing.span("serve.request") as outer:
+        req, _ = tracing.start_span("router.request", {"user-agent": "x"})
+        req.end()
+        incoming = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        joined, _ = tracing.start_span("router.request", incoming)
+        joined.end()
+    assert req.parent.span_id == outer.get_span_context().span_id
+    assert joined.parent.span_id == 0xb7ad6b7169203331  # a client's traceparent still wins
+
+
+def test_flush_exports_what_a_batch_processor_still_holds(tmp_path):
+    """A replica stopping (ray.kill skips atexit) flushes its spans first."""
+    path = tmp_path / "spans.jsonl"
+    T.setup_tracing(TracingConfig(exporter="jsonl", path=str(path), batch=True))
+    with tracing.span("last"):
+        pass
+    assert not path.exists() or not read_spans(path)  # still buffered
+    tracing.flush()
+    assert [s["name"] for s in read_spans(path)] == ["last"]
 
 
 def test_explicit_config_reaches_another_process_through_the_sdks_own_variables(tmp_path):
