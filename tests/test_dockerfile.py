@@ -242,3 +242,30 @@ def test_dockerignore_keeps_what_the_image_needs():
                  "specdec/drafts/smollm2-corpus/corpus.npz",
                  "serve_config.yaml"):
         assert not _dockerignored(path), f"{path} is excluded from the build context"
+
+
+def test_the_default_command_serves_on_all_interfaces(tmp_path):
+    """Run the image's CMD with stand-ins for `ray` and `serve`: the Serve config it runs binds
+    0.0.0.0 (a loopback proxy inside a container is unreachable through a published port) and is
+    otherwise the repository's."""
+    import json
+    import os
+    import subprocess
+    cmd = next(arg for instr, arg in _instructions() if instr == "CMD")
+    argv = json.loads(cmd)
+    assert argv[:2] == ["bash", "-c"]
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "ray").write_text("#!/bin/sh\nexit 0\n")
+    (stubs / "serve").write_text("#!/bin/sh\nfor a; do last=$a; done\ncp \"$last\" \"$OUT\"\n")
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    config = ROOT / "serve_config.yaml"
+    assert "host: 127.0.0.1" in config.read_text()  # loopback on a workstation
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "SERVE_CONFIG": str(config),
+           "OUT": str(tmp_path / "served.yaml")}
+    subprocess.run(argv, env=env, check=True, timeout=30)
+    served = (tmp_path / "served.yaml").read_text()
+    assert served == config.read_text().replace("host: 127.0.0.1", "host: 0.0.0.0")
+    envs = dict(arg.split("=", 1) for instr, arg in _instructions() if instr == "ENV" and "=" in arg)
+    assert envs.get("RAY_SERVE_DEFAULT_HTTP_HOST") == "0.0.0.0"  # `serve run module:app` too

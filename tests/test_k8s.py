@@ -141,6 +141,14 @@ def _quantity(q) -> float:
     return float(m.group(1)) * _SUFFIX.get(m.group(2), 1)
 
 
+def _actor_options(app: dict, d: dict) -> dict:
+    """A Router's or Draft's ray_actor_options: the config's override, else the code's num_cpus."""
+    if "ray_actor_options" in d:
+        return d["ray_actor_options"]
+    args = _app_args_cls()(**app["args"])
+    return {"num_cpus": getattr(args, {"Router": "router_cpus", "Draft": "draft_cpus"}[d["name"]])}
+
+
 def _app_args_cls():
     from serve_app.args import AppArgs  # provided by the lead's serve_app package
     return AppArgs
@@ -439,11 +447,17 @@ def test_target_fits_one_gpu_worker_pod(name, rs, app):
 def test_router_and_draft_fit_cpu_group(name, rs, app):
     groups = {g: (_ray_resources(spec, head), spec, head) for g, spec, head in _groups(rs)}
     gpu_groups = {g for g, (have, _, head) in groups.items() if not head and have.get("GPU", 0) > 0}
+    from serve_app.builder import SERVE_REPLICA_ENV
+    args = _app_args_cls()(**app["args"])
     for d in app["deployments"]:
         if d["name"] == "Target":
             continue
-        opts = d.get("ray_actor_options")
-        assert opts and "num_cpus" in opts, f"{d['name']}: set ray_actor_options.num_cpus explicitly"
+        opts = _actor_options(app, d)
+        if "ray_actor_options" in d:  # an override replaces the code's whole, runtime_env included: it must restate the replica env
+            env = (opts.get("runtime_env") or {}).get("env_vars") or {}
+            want = {**SERVE_REPLICA_ENV, "SPECDEC_TRACING_SETUP": args.tracing_env()["SPECDEC_TRACING_SETUP"]}
+            assert {k: env.get(k) for k in want} == want, f"{d['name']}: ray_actor_options.runtime_env lacks {want}"
+        assert "num_cpus" in opts, f"{d['name']}: set ray_actor_options.num_cpus explicitly"
         need = _actor_need(opts)
         fitting = [g for g, (have, _, head) in groups.items() if _fits(need, have)]
         assert fitting and "head" not in fitting, f"{d['name']} ({need}) fits {fitting or 'no group'}"
@@ -491,7 +505,7 @@ def test_all_replicas_at_max_fit_the_cluster_at_max(name, rs, app):
             supply[k] = supply.get(k, 0.0) + v * spec["maxReplicas"]
     demand: dict[str, float] = {}
     for d in app["deployments"]:
-        need = _target_need(app)[0] if d["name"] == "Target" else _actor_need(d["ray_actor_options"])
+        need = _target_need(app)[0] if d["name"] == "Target" else _actor_need(_actor_options(app, d))
         for k, v in need.items():
             demand[k] = demand.get(k, 0.0) + v * d["autoscaling_config"]["max_replicas"]
     short = {k: (v, supply.get(k, 0.0)) for k, v in demand.items() if v > supply.get(k, 0.0) + 1e-9}
