@@ -1,4 +1,5 @@
-"""Speculation statistics on the hot path: plain counters, no exporters (those live in serve_app).
+"""Speculation statistics on the hot path: plain counters, no exporters (the Prometheus metrics
+live in deployments/metrics.py).
 
 Definitions (used everywhere): a *row-round* is one sequence in one round. Per row-round the
 target emits accepted + 1 tokens (the last one recovered or bonus), so
