@@ -37,7 +37,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.common import MaxModelLen, replica_id
 from deployments.target import TargetFault
@@ -59,6 +59,8 @@ MAX_PENDING_RELEASES = 1024  # finished ids a lane keeps for its next draft call
 class SchedulingConfig(BaseModel):
     """How the router batches and speculates: the knobs a user sets (AppArgs inherits them) and
     may change at runtime through the Router deployment's `user_config`."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # ("inf" from the command line: a lane that sleeps forever)
 
     max_batch_size: int = Field(8, ge=1, description="Sequences per running batch (lane).")
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="Wait for more requests before a new lane's first round.")
@@ -151,6 +153,7 @@ class Batcher:
 
     def __init__(self, config: dict, draft_handle, target_handle):
         self.cfg = RouterConfig(**config)
+        self.built_batch_size = self.cfg.max_batch_size  # rows per lane the replicas' KV slots were sized for
         self.tokenizer = load_tokenizer(self.cfg.tokenizer)
         self.eos_ids = eos_ids_of(self.tokenizer)
         self.draft, self.target = draft_handle, target_handle
@@ -185,8 +188,11 @@ class Batcher:
         unknown = set(user_config) - allowed
         if unknown:
             raise ValueError(f"unknown user_config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-        self.cfg = self.cfg.model_copy(update=user_config)
-        RouterConfig.model_validate(self.cfg.model_dump())
+        cfg = RouterConfig.model_validate({**self.cfg.model_dump(), **user_config})  # (converted, or nothing changes)
+        if cfg.max_batch_size > self.built_batch_size:
+            raise ValueError(f"max_batch_size can only be lowered at runtime: the replicas' KV caches hold "
+                             f"{self.built_batch_size} rows per lane (rebuild the app to raise it)")
+        self.cfg = cfg
         for lane in self.lanes:
             lane.scheduler.set_config(self._sched_cfg())
 

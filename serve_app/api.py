@@ -226,7 +226,7 @@ class OpenAIIngress:
             raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; the prompt "
                            f"has {longest}.", param="prompt" if completion else "messages",
                            code="context_length_exceeded")
-        default = 16 if completion else self.api.default_max_tokens
+        default = min(16 if completion else self.api.default_max_tokens, self.api.max_tokens_limit)
         base = to_sampling_params(req, default_max_tokens=min(default, room))
         if base.max_tokens > room:
             raise APIError(f"This model's maximum context length is {self.cfg.max_model_len} tokens; you "

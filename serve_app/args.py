@@ -31,7 +31,7 @@ class ApiConfig(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; larger gets 413.")
     max_n: int = Field(64, ge=1, description="Largest `n` (samples per prompt).")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a chat request gives none.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a chat request gives none (at most max_tokens_limit).")
     max_stop: int = Field(16, ge=1, description="Most stop strings per request.")
     max_stop_len: int = Field(256, ge=1, description="Longest stop string.")
     require_api_key: bool = Field(False, description="Require `Authorization: Bearer <key>`; keys from SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE or api_keys_file.")
@@ -78,12 +78,12 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     @classmethod
     def _parse_cli_strings(cls, data):
         """`serve run ... api={"max_n":8}` passes strings: parse JSON for nested fields."""
-        for key in ("api", "tracing"):
-            if isinstance(data, dict) and isinstance(data.get(key), str):
-                data = {**data, key: json.loads(data[key])}
-        for key in ("draft", "lookup_corpus"):
+        for key in ("draft", "lookup_corpus", "tracing"):
             if isinstance(data, dict) and data.get(key) in ("", "none", "None"):
                 data = {**data, key: None}
+        for key in ("api", "tracing", "autoscaling_policy_kwargs"):
+            if isinstance(data, dict) and isinstance(data.get(key), str):
+                data = {**data, key: json.loads(data[key])}
         return data
 
     @model_validator(mode="after")
@@ -133,7 +133,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     @property
     def total_lanes(self) -> int:
         """Running batches the targets can hold at most (every lane needs a target's cache slots)."""
-        return self.lanes_per_target * (self.max_target_replicas if self.autoscaling else self.target_replicas)
+        return self.lanes_per_target * (max(self.max_target_replicas, self.target_replicas) if self.autoscaling
+                                        else self.target_replicas)
 
     def tracing_env(self) -> dict[str, str]:
         """Environment for every replica (and TP worker) so that each installs the same tracing
@@ -228,6 +229,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         if self.proposer == "self" and self.self_draft_layers >= margs.num_layers:
             raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
                              f"{margs.num_layers} layers")
+        explicit_len = self.max_model_len is not None
         self.max_model_len = self._resolve_max_model_len(margs)
         if self.lookup_corpus:
             from specdec.corpus import corpus_vocab_size
@@ -256,8 +258,10 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                 except ValueError as e:
                     raise ValueError(f"draft {self.draft}: {e}") from None
                 if dargs.max_position_embeddings < self.max_model_len:
-                    raise ValueError(f"draft {self.draft} handles {dargs.max_position_embeddings} positions, fewer "
-                                     f"than max_model_len={self.max_model_len}: lower max_model_len")
+                    if explicit_len:
+                        raise ValueError(f"draft {self.draft} handles {dargs.max_position_embeddings} positions, "
+                                         f"fewer than max_model_len={self.max_model_len}: lower max_model_len")
+                    self.max_model_len = dargs.max_position_embeddings // 16 * 16  # derived: the draft's limit too
             try:
                 check_same_vocab(load_tokenizer(src.path), load_tokenizer(dsrc.path), self.target, self.draft)
             except ModelLoadError as e:

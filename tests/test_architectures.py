@@ -74,7 +74,7 @@ def test_an_unsupported_target_or_draft_fails_the_build(tmp_path, tiny_dir):
                 max_model_len=128).validate_models()
 
 
-def test_a_draft_with_fewer_positions_than_max_model_len_is_refused(tmp_path, tiny_dir):
+def test_a_draft_with_fewer_positions_caps_or_refuses_max_model_len(tmp_path, tiny_dir):
     from serve_app.args import AppArgs
     from tiny_models import make_tiny_checkpoint
     short = make_tiny_checkpoint(tmp_path / "short", seed=1, layers=1, max_pos=64)
@@ -83,6 +83,9 @@ def test_a_draft_with_fewer_positions_than_max_model_len_is_refused(tmp_path, ti
                 max_model_len=128).validate_models()
     AppArgs(target=str(tiny_dir), proposer="draft", draft=str(short), dtype="float32",
             max_model_len=64).validate_models()
+    derived = AppArgs(target=str(tiny_dir), proposer="draft", draft=str(short), dtype="float32")
+    derived.validate_models()  # max_model_len not given: the draft's limit caps the derived value
+    assert derived.max_model_len == 64
 
 
 def test_sliding_window_attention_bounds_max_model_len(tmp_path):

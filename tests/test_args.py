@@ -129,3 +129,19 @@ def test_autoscaling_capacities_follow_the_apps_own_sizes(short_dir):
     assert kwargs["target_sequences_per_replica"] == 12 and kwargs["router_ongoing_per_replica"] == 24
     b = _resolved(target=str(short_dir), autoscaling=True, autoscaling_policy_kwargs={"target_sequences_per_replica": 5})
     assert _scaling(b, "Target", 1, 2)["autoscaling_config"].policy.policy_kwargs["target_sequences_per_replica"] == 5
+
+
+def test_command_line_strings_parse(short_dir):
+    """`serve run serve_app:build_app key=value` passes strings: JSON for nested fields, "none"
+    for no tracing, and no infinite values (a lane waiting "inf" seconds never runs)."""
+    a = AppArgs(target=str(short_dir), proposer="ngram", autoscaling="true",
+                autoscaling_policy_kwargs='{"target_tokens_per_s": 50}', tracing="none")
+    assert a.autoscaling_policy_kwargs == {"target_tokens_per_s": 50.0} and a.tracing is None
+    for bad in ({"batch_wait_timeout_s": "inf"}, {"kv_cache_memory_gib": "inf"}):
+        with pytest.raises(ValueError):
+            AppArgs(target=str(short_dir), proposer="ngram", **bad)
+
+
+def test_lanes_cover_every_initial_target_replica(short_dir):
+    a = AppArgs(target=str(short_dir), proposer="ngram", autoscaling=True, target_replicas=4, max_target_replicas=1)
+    assert a.total_lanes == 4 * a.lanes_per_target  # not 1 target's lanes over 4 replicas

@@ -614,3 +614,18 @@ def test_sequence_ids_differ_across_processes():
     ids = {int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
            for _ in range(2)}
     assert len(ids) == 2
+
+
+def test_reconfigure_validates_before_it_applies(tiny_dir):
+    """Runtime knobs (the Router's user_config) are converted and checked first: a bad value
+    changes nothing, and max_batch_size cannot outgrow the KV slots the replicas were built with."""
+    import math
+    batcher = _batcher(tiny_dir, _FakeTarget(), max_batch_size=4)
+    batcher.reconfigure({"max_batch_size": "2", "adaptive": "false", "plain_steps": 2.0})
+    assert (batcher.cfg.max_batch_size, batcher.cfg.adaptive, batcher.cfg.plain_steps) == (2, False, 2)
+    for bad in ({"max_batch_size": 0}, {"max_batch_size": 8}, {"batch_wait_timeout_s": math.inf},
+                {"plain_steps": 2.5}):
+        with pytest.raises(ValueError):
+            batcher.reconfigure(bad)
+        assert batcher.cfg.max_batch_size == 2 and batcher.cfg.batch_wait_timeout_s == 0
+    batcher.reconfigure({"max_batch_size": 4})  # back up to what it was built with

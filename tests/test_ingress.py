@@ -165,3 +165,18 @@ async def test_a_request_larger_than_the_server_is_a_400_not_a_503(ingress):
                                                    "max_tokens": 2})
     assert r.status_code == 400 and "too many sequences" in r.json()["error"]["message"], r.text
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+@pytest.mark.asyncio
+async def test_the_default_max_tokens_respects_the_limit(ingress):
+    """A request without max_tokens gets the default, at most api.max_tokens_limit (which an
+    explicit value above it is refused for)."""
+    from serve_app.args import ApiConfig
+    app, ing, target = ingress
+    body = {"model": "m", "prompt": "hello", "ignore_eos": True}
+    async with _client(app) as c:
+        default = await c.post("/v1/completions", json=body)
+        ing.api = ApiConfig(max_tokens_limit=5)
+        capped = await c.post("/v1/completions", json=body)
+    assert default.status_code == 200 and default.json()["usage"]["completion_tokens"] == 16  # OpenAI's default
+    assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 5, capped.text

@@ -314,7 +314,8 @@ def test_parse_request_accepts_str_and_non_ascii():
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls, req, expected", [
-    (CompletionRequest, C, dict(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None,
+    # absent max_tokens: the caller's default (the API passes OpenAI's 16, capped by max_tokens_limit)
+    (CompletionRequest, C, dict(max_tokens=100, temperature=1.0, top_p=1.0, top_k=0, seed=None,
                                 stop=[], stop_token_ids=[], ignore_eos=False,
                                 num_speculative_tokens=None)),
     (CompletionRequest, {**C, "max_tokens": None}, dict(max_tokens=100)),

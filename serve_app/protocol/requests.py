@@ -192,7 +192,8 @@ class CompletionRequest(_SamplingRequest):
         description="A string, an array of strings, an array of token ids, or an array of "
                     "token-id arrays; each element is one prompt.")
     max_tokens: int | None = Field(
-        16, description="Tokens to generate per choice; null = deployment default.")
+        None, description="Tokens to generate per choice; absent or null: 16 (OpenAI's default), at most the "
+                          "deployment's max_tokens_limit.")
     logprobs: NotSupported(int | None, "null") = None
     echo: NotSupported(bool | None, "false", False) = False
     best_of: NotSupported(int | None, "1", 1) = None
