@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from fake_handles import FakeTarget as _FakeTarget
+from fake_handles import Method as _Method
 from service_checks import assert_idle, assert_idle_async
 
 pytestmark = pytest.mark.ray
@@ -242,35 +244,6 @@ async def test_tp_worker_killed_mid_generation(tp_app):
 
 
 # ---- the batcher's fault handling, in process (fake deployment handles, no cluster) ------------
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-class _FakeTarget:
-    """A Target handle whose verify fails `failures` times with `error()`, then runs `worker`."""
-
-    def __init__(self, worker=None, failures: int = 0, error=None, hang: bool = False):
-        self.worker, self.failures, self.error, self.hang = worker, failures, error, hang
-        self.calls = 0
-        self.verify, self.release = _Method(self._verify), _Method(self._release)
-
-    async def _verify(self, batch, draft, pin=None, avoid=None):
-        self.calls += 1
-        if self.hang:
-            await asyncio.Event().wait()
-        if self.calls <= self.failures:
-            raise self.error()
-        return "replica-b", self.worker.verify(batch, draft)
-
-    async def _release(self, ids, pin=None):
-        if self.worker is not None:
-            self.worker.release(ids)
-
-
 def _target_fault():
     import ray.exceptions
     from deployments.target import TargetFault

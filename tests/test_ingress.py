@@ -9,33 +9,7 @@ import json
 import httpx
 import pytest
 
-
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-class _Target:
-    """A Target deployment handle over an in-process worker; `fail_from` fails that verify call on."""
-
-    def __init__(self, worker):
-        self.worker, self.calls, self.fail_from = worker, 0, None
-        self.verify, self.release = _Method(self._verify), _Method(self._release)
-
-    def options(self, **_):
-        return self
-
-    async def _verify(self, batch, draft, pin=None, avoid=None):
-        self.calls += 1
-        if self.fail_from is not None and self.calls >= self.fail_from:
-            raise ValueError("boom")
-        return "t", self.worker.verify(batch, draft)
-
-    async def _release(self, ids, pin=None):
-        self.worker.release(ids)
+from fake_handles import FakeTarget
 
 
 @pytest.fixture
@@ -49,7 +23,7 @@ def ingress(tiny_dir):
     from specdec.loader import load_model
     from specdec.target_worker import TargetWorker
 
-    target = _Target(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128))
+    target = FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128))
     cls = next(c for c in api.OpenAIIngress.__mro__ if "completions" in c.__dict__)  # (not Serve's ASGI wrapper)
     ing = cls({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 128, "batch_wait_timeout_s": 0,
                "model_name": "m", "max_batch_size": 2, "max_lanes": 1, "max_queued_sequences": 2}, {}, None, target)

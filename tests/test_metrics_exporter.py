@@ -307,25 +307,15 @@ async def test_request_metrics_count_requests_not_choices(fakes, tiny_dir):
 
     import torch
     from deployments.batcher import Batcher
+    from fake_handles import FakeTarget
     from specdec.loader import load_model
     from specdec.sampling import SamplingParams
     from specdec.target_worker import TargetWorker
 
     worker = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128)
 
-    class Target:
-        class verify:  # noqa: N801 - a handle's method
-            @staticmethod
-            async def remote(batch, draft, pin=None, avoid=None):
-                return "t", worker.verify(batch, draft)
-
-        class release:  # noqa: N801
-            @staticmethod
-            async def remote(ids, pin=None):
-                worker.release(ids)
-
     b = Batcher({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 128, "batch_wait_timeout_s": 0},
-                None, Target())
+                None, FakeTarget(worker))
     seqs = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 3, 4, 5)])
     for s in seqs:
         while not s.finished:

@@ -1,0 +1,43 @@
+"""Deployment handles for tests that drive the real Batcher (or ingress) in process, no cluster:
+`handle.method.remote(...)` awaits the in-process implementation."""
+from __future__ import annotations
+
+import asyncio
+
+
+class Method:
+    """A handle's method: `.remote(...)` is the coroutine of `fn(...)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class FakeTarget:
+    """A Target handle over an in-process `TargetWorker`: verify fails its first `failures` calls
+    with `error()` (and every call from `fail_from` on with a ValueError), hangs with `hang`, and
+    otherwise runs `worker`."""
+
+    def __init__(self, worker=None, failures: int = 0, error=None, hang: bool = False, fail_from: int | None = None):
+        self.worker, self.failures, self.error, self.hang, self.fail_from = worker, failures, error, hang, fail_from
+        self.calls = 0
+        self.verify, self.release = Method(self._verify), Method(self._release)
+
+    def options(self, **_):
+        return self
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        self.calls += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.calls <= self.failures:
+            raise self.error()
+        if self.fail_from is not None and self.calls >= self.fail_from:
+            raise ValueError("boom")
+        return "replica-b", self.worker.verify(batch, draft)
+
+    async def _release(self, ids, pin=None):
+        if self.worker is not None:
+            self.worker.release(ids)
