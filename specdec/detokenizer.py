@@ -16,24 +16,57 @@ a window, can rewrite characters already emitted; vLLM does not apply it when st
 For byte-level BPE (the tests use a tiny one and SmolLM2's), and any decoder that renders a
 window as the matching slice of the whole, `text` then equals decoding all the ids at once.
 
-A window that stays incomplete (special tokens, "\ufffd" characters, bytes that never form one) is
-retried at every token up to MAX_HELD held tokens, then only when their count is a power of two,
-so such a run costs O(n) decoded tokens too; `flush()` emits whatever is held at the end.
+Tokens that skip_special_tokens removes never enter the window (they change no decode), so a
+run of them holds nothing back. A window that stays incomplete ("\ufffd" characters, bytes that
+never form one) is retried at every token up to MAX_HELD held tokens, then only when their count is
+a power of two, so such a run costs O(n) decoded tokens too; `flush()` emits whatever is held at
+the end.
+
+The window starts with the last few prompt tokens as context (`context`, as vLLM's prefix_offset
+does), so that a tokenizer which drops the leading space of a decode (SentencePiece's "▁word":
+Llama 2, Mistral) still renders the first output word's space.
 """
 from __future__ import annotations
 
 import io
+import weakref
+from collections.abc import Sequence
 
 MAX_HELD = 16  # held-back tokens retried at every token (an incomplete character spans <= 4)
+CONTEXT_TOKENS = 4  # prompt tokens decoded before the output, as context
+
+_skipped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> ids its decode drops
+
+
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """Ids that decode(..., skip_special_tokens=True) removes: special added tokens (which are
+    more than `all_special_ids`: SmolLM2 has 17, 3 of them named), checked by decoding each."""
+    try:
+        return _skipped[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = frozenset(i for i, t in added.items() if getattr(t, "special", False)
+                    and tokenizer.decode([i], skip_special_tokens=True) == "")
+    try:
+        _skipped[tokenizer] = ids
+    except TypeError:  # not weak-referenceable: recomputed per detokenizer
+        pass
+    return ids
 
 
 class IncrementalDetokenizer:
-    """Output text of token ids pushed one at a time (`tokenizer` as in Hugging Face)."""
+    """Output text of token ids pushed one at a time (`tokenizer` as in Hugging Face), after
+    `context` (the prompt's ids: its last CONTEXT_TOKENS are decoded as context, not emitted)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self._window: list[int] = []  # ids[prefix_offset:]: the only ids still needed
-        self._read = 0  # read_offset - prefix_offset: window[_read:] is not in `text` yet
+        self._skip = skipped_ids(tokenizer)
+        # ids[prefix_offset:]: the only ids still needed (first: the context)
+        self._window: list[int] = [t for t in context if t not in self._skip][-CONTEXT_TOKENS:]
+        if self._window and self._decode(self._window).endswith("\ufffd"):  # ends inside a character
+            self._window = []
+        self._read = len(self._window)  # read_offset - prefix_offset: window[_read:] is not in `text` yet
         self.pending = ""  # provisional text of window[_read:] (may end in an incomplete char)
         self._text = io.StringIO(newline="")  # emitted text: amortised O(1) appends, O(k) slices
         self._len = 0
@@ -53,6 +86,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> bool:
         """Add one token. Returns whether it was decoded (`text` and `pending` may have changed)."""
+        if token_id in self._skip:
+            return False  # decodes to nothing, changes nothing
         self._window.append(token_id)
         held = len(self._window) - self._read
         if held > MAX_HELD and held & (held - 1):

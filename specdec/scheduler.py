@@ -333,10 +333,10 @@ class Scheduler:
                 s.target_offset = 0  # resend the whole context next round
                 continue
             emitted, m, k = verify.tokens[i], verify.num_accepted[i], draft.num_draft[i]
-            s.append(emitted, self.tokenizer)
+            kept = s.append(emitted, self.tokenizer)
             s.target_offset = len(s.tokens)
             s.proposed += k
-            s.accepted += m
+            s.accepted += min(m, kept)  # (drafts accepted past a stop are not returned)
             s.rounds += 1
             if verify.lookup_rows is not None and plan.draft_batch.lookup:
                 self._observe_lookups(s, *verify.lookup_rows[i])

@@ -118,7 +118,7 @@ class Sequence:
 
     def _detokenize(self, tok: int, tokenizer) -> None:
         if self.detok is None:
-            self.detok = IncrementalDetokenizer(tokenizer)
+            self.detok = IncrementalDetokenizer(tokenizer, context=self.prompt_ids)
         if self.detok.push(tok) and self.params.stop:
             self._stop_at_string()
 

@@ -243,3 +243,53 @@ def test_decoding_cost_is_linear(tiny, kind):
     assert counting.decoded < 20 * N  # re-decoding the whole output each token: ~N^2 / 2
     assert seq.finish_reason == "length" and seq.text == tiny.decode(ids, skip_special_tokens=True)
     assert "".join(streamed) == seq.text
+
+
+# ---- (e) tokens that decode to nothing, and the prompt as context ----------------------------
+def test_a_run_of_special_tokens_holds_nothing_back(tiny):
+    """Special tokens (dropped by decode) never count as held text: a stop string after a run of
+    them ends the sequence at once, not at the next power of two of held tokens."""
+    special = tiny.eos_token_id
+    body = tiny(" Hello STOP and some more text after the stop string", add_special_tokens=False).input_ids
+    j = first_completing(tiny, body, "STOP")
+    seq = Sequence([1], SamplingParams(max_tokens=200, stop=["STOP"]))  # (eos not among its eos ids)
+    for t in [special] * 40 + body:
+        seq.append([t], tiny)
+    assert seq.finish_reason == "stop" and seq.text == " Hello "
+    assert seq.num_output == 40 + j
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok():
+    """A Llama 2 / Mistral-layout tokenizer: "▁" marks a word's space and decode strips the
+    leading space of what it decodes."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    corpus = ["The capital of France is Paris. The capital of Japan is Tokyo. Hello world, the cat sat."] * 20
+    t.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=["▁"] + [chr(c) for c in range(32, 127)]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert tok.decode(tok("Paris", add_special_tokens=False).input_ids) == "Paris"  # the stripped space
+    return tok
+
+
+@pytest.mark.parametrize("prompt, answer", [("The capital of France is", "Paris. Hello world."),
+                                            ("Hello", "world, the cat sat."), ("The cat", "Tokyo")])
+def test_first_word_keeps_its_space_after_the_prompt(sentencepiece_tok, prompt, answer):
+    tok = sentencepiece_tok
+    p = [tok.bos_token_id] + tok(prompt, add_special_tokens=False).input_ids
+    out = tok(answer, add_special_tokens=False).input_ids  # "▁Paris", ...: a word after a space
+    expected = tok.decode(p + out, skip_special_tokens=True)[len(tok.decode(p, skip_special_tokens=True)):]
+    assert expected == " " + answer
+    seq = Sequence(p, SamplingParams(max_tokens=len(out)))
+    deltas = []
+    for t in out:
+        seq.append([t], tok)
+        deltas.append(seq.take_delta())
+    assert seq.text == expected and "".join(deltas) == expected

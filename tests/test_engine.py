@@ -123,16 +123,18 @@ def test_multi_step_round_stops_a_row_at_its_stop_token_inside_the_call(tiny):
     assert sum(len(c.tokens[0]) for c in calls) == seq.num_output
 
 
-def test_stop_token_inside_accepted_run(tiny):
+@pytest.mark.parametrize("stop_at", [3, 6])  # (the prefill emits token 0, the next round 1-6)
+def test_stop_token_inside_accepted_run(tiny, stop_at):
     """A stop token id in the middle of a fully accepted run ends the output right there."""
     target, _, tok = tiny
     p = [tok(PROMPTS[1]).input_ids]
     ref = outputs(make_engine(target, "none", tok=tok), p, greedy(20))[0]
-    stop_at = 6
     eng = make_engine(target, "draft", load_model(target.source), tok, k=5)  # self-draft: all accepted
     seq = eng.generate(p, greedy(20, stop_token_ids=[ref[stop_at]]))[0]
     first = ref.index(ref[stop_at])
     assert seq.output_ids == ref[: first + 1] and seq.finish_reason == "stop"
+    # usage's accepted drafts are among the returned tokens (those after the stop are dropped)
+    assert seq.accepted <= seq.num_output and seq.accepted <= seq.proposed
 
 
 def test_stop_string_and_max_tokens(tiny):
