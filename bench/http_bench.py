@@ -39,7 +39,7 @@ QUESTIONS = ["Why do leaves change colour in autumn?", "How should I prepare for
 
 
 # Programming requests, also written for this benchmark (the kind of text where drafts agree more).
-CODING = ["Write a Python function that checks whether a number is prime.",
+CODING = ["Write a Python function that checks whether a year is a leap year.",
           "Write a JavaScript function that removes duplicates from an array.",
           "How do I sort a list of dictionaries by a key in Python?",
           "Write a SQL query that counts orders per customer.",
@@ -52,7 +52,7 @@ CODING = ["Write a Python function that checks whether a number is prime.",
 TASKS = ["Write a short, friendly email asking my landlord to fix a leaking tap.",
          "Give me five ideas for a birthday party for a ten-year-old.",
          "Summarize the plot of Romeo and Juliet in a few sentences.",
-         "What are the pros and cons of working from home?", "Explain to a child how rain forms.",
+         "What are the pros and cons of living in a big city?", "Explain to a child how rain forms.",
          "Rewrite this sentence to sound more formal: we can't make it to the meeting, sorry.",
          "List some healthy snacks I can take to work.", "How do I change a flat tyre on a car?",
          "Write a haiku about the sea.", "What is the difference between a virus and a bacterium?",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -35,10 +35,11 @@ from specdec.loader import fast_dtype, load_hf_model, load_model, load_tokenizer
 from specdec.prompts import encode_chat
 from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.sampling import SamplingParams
+from specdec.stats import SpecStats
 from specdec.target_worker import TargetWorker
 
 CHAT = ["What is the capital of France?", "Explain what a hash table is in two sentences.",
-        "Write a Python function that reverses a string.", "What does the zip builtin do in Python?",
+        "Write a Python function that checks whether two strings are anagrams.", "What does the zip builtin do in Python?",
         "Give three tips for writing readable code.", "How do I read a file line by line in Python?",
         "What is the difference between a list and a tuple?", "Summarize what recursion is."]
 
@@ -73,6 +74,7 @@ class Row:
     target_s: float = 0.0  # verify
     round_s: float = 0.0
     plain_s: float = 0.0  # plain decoding of the same prompts, the mean of the runs before and after this one
+    stats: SpecStats | None = field(default=None, repr=False)  # the engine's counters (rates pool over prompts)
 
     @property
     def tps(self) -> float:
@@ -125,15 +127,20 @@ def cost_ratio(stats, plain_step: float) -> float:
     return steps / plain_step if plain_step else 0.0
 
 
-def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0,
-                 lookup: int = 0, ngram_k: int = 0, corpus=None) -> list[Row]:
-    """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured;
-    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds (and with `corpus`,
-    that continued from the corpus, and each draft's adaptive rounds with those lookups in their
-    plain rounds: the service's configuration); `ngram_k`: the hybrid's prompt-lookup rows may
-    draft that long. Plain decoding runs before the first configuration and after each one, and
-    each row's speedup is against the two plain runs beside it (`Row.plain_s`)."""
-    runs = []  # (name, k, proposer factory or None, run_engine options) in order
+def rates(st: SpecStats, k: int) -> tuple[float, float]:
+    """(acceptance, mean accepted length) of a run's counters. k = 0 (plain rounds with lookups):
+    of the lookup tokens, and tokens per target step with them."""
+    if k == 0:
+        return st.lookup_accepted / max(1, st.lookup_proposed), \
+            1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted)
+    return st.acceptance_rate, st.mean_accepted_length
+
+
+def engine_configs(drafts, ks, batch, lookup: int = 0, corpus=None, siblings: int = 0,
+                   ngram_k: int = 0) -> list[tuple]:
+    """bench_engine's configurations after plain decoding, in order: (name, k, proposer factory,
+    run_engine options); k = -1 is adaptive. See bench_engine for the arguments."""
+    runs = []
     for c in ([None, corpus] if corpus is not None else [None]) if lookup else []:
         runs.append((f"plain + lookup {lookup}" + (" + corpus" if c is not None else ""), 0,
                      NgramProposer, {"lookup": lookup, "corpus": c}))
@@ -143,31 +150,47 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblin
         if lookup and corpus is not None and name != "ngram":
             runs.append((f"{name} adaptive + lookup {lookup} + corpus", -1, make,
                          {**opts, "adaptive": True, "lookup": lookup, "corpus": corpus}))
+    return runs
+
+
+def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblings: int = 0,
+                 lookup: int = 0, ngram_k: int = 0, corpus=None) -> list[Row]:
+    """drafts: (name, factory(batch) -> DraftModelProposer) pairs; n-gram is always measured;
+    `lookup` > 0 adds plain decoding with prompt lookup inside 8-step rounds (and with `corpus`,
+    that continued from the corpus, and each draft's adaptive rounds with those lookups in their
+    plain rounds: the service's configuration); `ngram_k`: the hybrid's prompt-lookup rows may
+    draft that long. Plain decoding runs before the first configuration and after each one, and
+    each row's speedup is against the two plain runs beside it (`Row.plain_s`). `bar` advances once
+    per row: 1 + len(engine_configs(...)) times."""
+    runs = engine_configs(drafts, ks, batch, lookup, corpus, siblings, ngram_k)
     warm = max(4, max_tokens // 2)
     base, dt, st = run_engine(model, tok, prompts, None, 0, batch, max_tokens, warm_tokens=warm)
     plain_step = st.target_time / st.rounds
     plain_s = [dt]
-    rows = [Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st))]
+    rows = [Row("plain", batch, 0, sum(map(len, base)), dt, **_times(st), stats=st)]
     bar.update()
     for name, k, make, opts in runs:
         out, dt, st = run_engine(model, tok, prompts, make(), max(ks) if k < 0 else k, batch, max_tokens,
                                  warm_tokens=warm, **opts)
-        if k == 0:  # plain rounds with lookups: acceptance of the lookup tokens
-            acc, mean_len = st.lookup_accepted / max(1, st.lookup_proposed), \
-                1 + st.lookup_accepted / max(1, st.emitted - st.lookup_accepted)
-        else:
-            acc, mean_len = st.acceptance_rate, st.mean_accepted_length
+        acc, mean_len = rates(st, k)
         c = 0.0
         if k > 0:
             per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
             c = per_step / plain_step
-        rows.append(Row(name, batch, k, sum(map(len, out)), dt, acc, mean_len, c, out == base, **_times(st)))
+        rows.append(Row(name, batch, k, sum(map(len, out)), dt, acc, mean_len, c, out == base, **_times(st),
+                        stats=st))
         plain_s.append(run_engine(model, tok, prompts, None, 0, batch, max_tokens, warm_tokens=warm)[1])
         bar.update()
     rows[0].plain_s = plain_s[0]
     for i, r in enumerate(rows[1:]):
         r.plain_s = (plain_s[i] + plain_s[i + 1]) / 2
     return rows
+
+
+def hf_configs(ks, draft=None) -> list[tuple[str, dict]]:
+    """bench_hf's configurations, in order: (name, generate kwargs); `draft` assists the last."""
+    return [("HF plain", {})] + [("HF prompt lookup", {"prompt_lookup_num_tokens": k}) for k in ks] + [
+        ("HF assisted (4-layer self-draft)", {"assistant_model": draft})]
 
 
 def bench_hf(target: str, tok, prompts, max_tokens, dtype, ks, bar) -> list[Row]:
@@ -177,9 +200,7 @@ def bench_hf(target: str, tok, prompts, max_tokens, dtype, ks, bar) -> list[Row]
     draft.model.layers = draft.model.layers[:4]
     draft.config.num_hidden_layers = 4
     rows = []
-    configs = [("HF plain", {})] + [(f"HF prompt lookup", {"prompt_lookup_num_tokens": k}) for k in ks] + [
-        ("HF assisted (4-layer self-draft)", {"assistant_model": draft})]
-    for name, kw in configs:
+    for name, kw in hf_configs(ks, draft):
         total, secs = 0, 0.0
         for p in prompts:
             ids = torch.tensor([p])
@@ -263,9 +284,8 @@ def main(argv=None) -> None:
     ks = [int(x) for x in a.ks.split(",")]
     kinds = prompt_kinds(tok, a.prompts)
     corpus = NgramCorpus.load(resolve_corpus(a.corpus)) if a.corpus and a.lookup else None
-    per_batch = (2 + len(drafts) * (len(ks) + 1) + len(ks) - 1 + (1 if a.lookup else 0)
-                 + (1 + len(drafts) if corpus is not None else 0))
-    total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(ks) + 2))
+    per_batch = 1 + len(engine_configs(drafts, ks, 1, a.lookup, corpus))  # the plain row and each configuration
+    total = len(a.kinds.split(",")) * (len(batches) * per_batch + (0 if a.no_hf else len(hf_configs(ks))))
     bar = tqdm(total=total, desc="benchmark")
     print(f"target={a.target} dtype={a.dtype} device={a.device} max_tokens={a.max_tokens} threads={torch.get_num_threads()}"
           f" siblings_max_batch={a.siblings} ngram_k={a.ngram_k} (batch 1)"
@@ -345,15 +365,21 @@ class _Null:
 
 
 def _merge(rows: list[Row]) -> Row:
-    """Combine per-prompt rows of one config (batch 1): sums, token-weighted rates."""
+    """Combine per-prompt rows of one config (batch 1): times and the engine's counters summed, so
+    acceptance and mean accepted length are rates of the pooled counts (accepted / proposed,
+    emitted / row-rounds, as in specdec.stats), not means of per-prompt ratios; c token-weighted."""
     r0 = rows[0]
     tokens = sum(r.tokens for r in rows)
     w = [r.tokens / tokens for r in rows]
+    stats = SpecStats()
+    for r in rows:
+        stats.merge(r.stats)
     return Row(r0.name, r0.batch, r0.k, tokens, sum(r.seconds for r in rows),
-               sum(r.acceptance * x for r, x in zip(rows, w)), sum(r.mean_len * x for r, x in zip(rows, w)),
+               *rates(stats, r0.k),
                sum(r.c * x for r, x in zip(rows, w)),
                None if r0.identical is None else all(r.identical for r in rows),
-               *(sum(getattr(r, f) for r in rows) for f in ("rounds", "draft_s", "target_s", "round_s", "plain_s")))
+               *(sum(getattr(r, f) for r in rows) for f in ("rounds", "draft_s", "target_s", "round_s", "plain_s")),
+               stats=stats)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,20 @@ the questions you evaluate on measures nothing.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specdec.corpus import NgramCorpus
+from specdec_tools.distill.answers import iter_jsonl
 
 
 def read_answers(work: Path, temperatures: set[float], prompt_tail: int) -> list[list[int]]:
     answers = []
     for f in sorted(work.glob("*.jsonl")):
-        with f.open() as fh:
-            for line in tqdm(fh, desc=f.name, unit=" rows"):
-                r = json.loads(line)
-                if "output" in r and "prompt" in r and float(r.get("temperature", 0.0)) in temperatures:
-                    answers.append(r["prompt"][-prompt_tail:] + r["output"] if prompt_tail else r["output"])
+        for r in tqdm(iter_jsonl(f), desc=f.name, unit=" rows"):  # a partial last line (a cut write) is skipped
+            if "output" in r and "prompt" in r and float(r.get("temperature", 0.0)) in temperatures:
+                answers.append(r["prompt"][-prompt_tail:] + r["output"] if prompt_tail else r["output"])
     return answers
 
 

@@ -43,3 +43,57 @@ def test_bench_runs_end_to_end_on_a_tiny_checkpoint(tiny_dir, capsys):
     assert all(r[10] == "yes" for r in rows if r[0] != "plain")  # speculation's output is plain decoding's
     assert all(r[8].endswith("x") and r[8] != "nanx" for r in rows)
     assert [r[8] for r in rows if r[0] == "plain"] == ["1.00x", "1.00x"]
+
+
+def _fake_stats_run_engine(per_prompt: dict):
+    """run_engine that returns the counters `per_prompt[first prompt token]` (fixed-length output, 1 s)."""
+    def run(model, tok, prompts, proposer, k, batch, max_tokens, **opts):
+        st = SpecStats(rounds=4, target_time=0.4, emitted=8) if proposer is None else per_prompt[prompts[0][0]]
+        return [[1, 2, 3, 4]] * len(prompts), 1.0, st
+    return run
+
+
+def test_batch1_rates_pool_the_counts_of_prompts_of_different_sizes(monkeypatch):
+    """At batch 1 each prompt runs alone and the rows merge: acceptance and mean accepted length
+    are the pooled counts' rates (accepted / proposed, emitted / row-rounds; lookups alike), not
+    token-weighted means of per-prompt ratios."""
+    short = SpecStats(rounds=20, row_rounds=20, spec_row_rounds=20, proposed=10, accepted=9, emitted=40,
+                      lookup_proposed=4, lookup_accepted=4)
+    long = SpecStats(rounds=100, row_rounds=100, spec_row_rounds=100, proposed=100, accepted=20, emitted=150,
+                     lookup_proposed=60, lookup_accepted=6)
+    monkeypatch.setattr(bench, "run_engine", _fake_stats_run_engine({1: short, 2: long}))
+    per_prompt = [bench.bench_engine(None, None, [[p]], [], ks=[2], batch=1, max_tokens=4, bar=bench._Null(),
+                                     lookup=2) for p in (1, 2)]
+    merged = {r.name: r for r in (bench._merge([rs[i] for rs in per_prompt]) for i in range(len(per_prompt[0])))}
+    assert merged["ngram"].acceptance == pytest.approx(29 / 110)
+    assert merged["ngram"].mean_len == pytest.approx(190 / 120)
+    assert merged["plain + lookup 2"].acceptance == pytest.approx(10 / 64)
+    assert merged["plain + lookup 2"].mean_len == pytest.approx(1 + 10 / (190 - 10))
+    assert (merged["plain"].acceptance, merged["plain"].mean_len) == (0.0, 1.0)
+
+
+def test_progress_bar_total_is_the_number_of_updates(tiny_dir, tiny_draft_dir, tmp_path, monkeypatch):
+    """Every configuration bench_engine and bench_hf run advances the bar once; the total says so,
+    whatever the flags (drafts, lookup, a corpus, several k, batch 1 and batch > 1, HF)."""
+    from specdec.corpus import NgramCorpus
+    bars = []
+
+    class Bar:
+        def __init__(self, total=None, **_):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "tqdm", Bar)
+    every = SpecStats(rounds=4, row_rounds=4, target_time=0.4, emitted=8)
+    monkeypatch.setattr(bench, "run_engine", _fake_stats_run_engine({p: every for p in range(512)}))
+    NgramCorpus.save(tmp_path / "corpus.npz", [[5, 6, 7, 8, 9]] * 4, 512)
+    bench.main(["--target", str(tiny_dir), "--draft", str(tiny_draft_dir), "--self-draft-layers", "1",
+                "--ks", "2,3", "--batches", "1,2", "--prompts", "1", "--max-tokens", "4", "--kinds", "chat",
+                "--threads", "1", "--lookup", "2", "--corpus", str(tmp_path / "corpus.npz")])
+    assert len(bars) == 1 and bars[0].n > 0 and bars[0].total == bars[0].n

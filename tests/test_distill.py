@@ -140,3 +140,129 @@ def test_eagle_distill_end_to_end(tiny_dir, tmp_path, one_thread):
                "--work", str(tmp_path / "e1.work"), "--init-draft", str(tmp_path / "e1")])
     a3 = m3["greedy_acceptance"]
     assert a3 > max(2 * a0, a0 + 0.03) and abs(a3 - a1) < 0.02, (a0, a1, a3)
+
+
+class _Interrupt(BaseException):
+    """Stands for the process dying mid-training (not an Exception: nothing may catch it)."""
+
+
+def test_eagle_resume_matches_an_uninterrupted_run(tiny_dir, tmp_path, monkeypatch, one_thread):
+    """--arch eagle killed after step 4 (a checkpoint every step, mid-epoch) and resumed ends with
+    the parameters of the run that was never interrupted (the epoch's remaining batches, the same
+    input noise), and the resumed run still reports the draft vocabulary's coverage."""
+    from specdec_tools.distill import eagle_train
+    work = tmp_path / "work"
+    run = ["--arch", "eagle", "--target", str(tiny_dir), "--draft-vocab", str(VOCAB), "--batch-tokens", "1024",
+           "--seq-len", "128", "--corpus-limit", "60", "--answers", "8", "--gen-batch", "8", "--gen-tokens", "16",
+           "--text-tokens", "4096", "--eval-prompts", "0", "--save-dtype", "float32", "--threads", "1",
+           "--dtype-teacher", "float32", "--steps", "9", "--save-minutes", "0", "--noise", "0.1",
+           "--work", str(work)]
+    full = main([*run, "--out", str(tmp_path / "full")])
+    want = torch.load(work / "ckpt.pt", weights_only=False)
+    (work / "ckpt.pt").unlink()
+    step = eagle_train.EagleTrainer.train_step
+
+    def dying(self, rows):
+        if self.step == 4:
+            raise _Interrupt()
+        return step(self, rows)
+
+    monkeypatch.setattr(eagle_train.EagleTrainer, "train_step", dying)
+    with pytest.raises(_Interrupt):
+        main([*run, "--out", str(tmp_path / "resumed")])
+    monkeypatch.setattr(eagle_train.EagleTrainer, "train_step", step)
+    assert torch.load(work / "ckpt.pt", weights_only=False)["step"] == 4
+    resumed = main([*run, "--out", str(tmp_path / "resumed"), "--resume"])
+    got = torch.load(work / "ckpt.pt", weights_only=False)
+    assert want["model"].keys() == got["model"].keys()
+    for k in want["model"]:
+        assert torch.equal(want["model"][k], got["model"][k]), k
+    assert want["epoch"] >= 1 and [got.get(k) for k in ("step", "epoch", "epoch_pos", "tokens_seen")] == \
+        [want.get(k) for k in ("step", "epoch", "epoch_pos", "tokens_seen")]
+    assert resumed["vocab"] == full["vocab"] and full["vocab"]["coverage"] > 0
+    card = (tmp_path / "resumed" / "README.md").read_text()
+    assert f"- vocabulary: {full['vocab']}" in card
+
+
+def _cut_last_line(path, keep: float = 0.5) -> dict:
+    """Leave `path` as an interrupted write would: its last record half written. Returns that record."""
+    raw = path.read_bytes()
+    start = raw.rstrip(b"\n").rfind(b"\n") + 1
+    path.write_bytes(raw[: start + int(keep * (len(raw) - start - 1))])
+    return json.loads(raw[start:])
+
+
+def _lines(path) -> list[dict]:
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]  # every line whole: nothing glued to a partial one
+
+
+def test_jsonl_caches_resume_over_a_partial_last_line(tiny_dir, tmp_path, one_thread):
+    """An interruption mid-write leaves a cache's last line partial: readers skip it, the next writer
+    cuts it off, and the resumed run writes that record again -- none lost, none twice -- for the
+    answers (generate_answers), the llama trainer's pool (SeqPool), self-instruct questions and
+    specdec-corpus."""
+    from specdec_tools.distill import chat
+    from specdec_tools.distill.answers import generate_answers, read_jsonl, training_prompts
+    from specdec_tools.distill.data import Corpus, chat_prompts
+    from specdec_tools.distill.seqgen import SeqPool
+    from specdec_tools.make_corpus import read_answers
+    tok, model = load_tokenizer(tiny_dir), load_model(tiny_dir, dtype=torch.float32)
+    corpus = Corpus.build(10, 50, 0)
+
+    prompts = training_prompts(corpus, tok)[:6]
+    ref, path = tmp_path / "ref.jsonl", tmp_path / "work" / "answers.jsonl"
+    generate_answers(model, tok, prompts, ref, batch=2, max_new=6)
+    path.parent.mkdir()
+    path.write_bytes(ref.read_bytes())
+    _cut_last_line(path)
+    assert read_jsonl(path) == _lines(ref)[:-1]
+    assert read_answers(path.parent, {0.0}, 0) == [r["output"] for r in _lines(ref)[:-1]]  # specdec-corpus
+    assert generate_answers(model, tok, prompts, path, batch=2, max_new=6) == len(prompts)
+    assert sorted(_lines(path), key=lambda r: r["i"]) == sorted(_lines(ref), key=lambda r: r["i"])
+
+    questions = tmp_path / "questions.jsonl"
+    chat.self_instruct(model, tok, ["bees", "chess"], 1, questions, batch=4)
+    want = _lines(questions)
+    _cut_last_line(questions)
+    chat.self_instruct(model, tok, ["bees", "chess"], 1, questions, batch=4)
+    assert _lines(questions) == want
+
+    pool_path = tmp_path / "seqgen.jsonl"
+    chats = chat_prompts(corpus.train)
+    pool = SeqPool(pool_path, chats, model, tok, max_new=6, seq_len=256)
+    assert pool.generate_batch() > 1
+    made = _lines(pool_path)
+    _cut_last_line(pool_path)
+    # the checkpoint counted every record (the lost one included): the pool goes on from what is left
+    resumed = SeqPool(pool_path, chats, model, tok, max_new=6, seq_len=256, state={"cursor": len(made)})
+    assert len(resumed.records) == len(made) - 1
+    row, start = resumed.take(0.0)
+    assert row == made[-1]["prompt"] + made[-1]["output"] and start == len(made[-1]["prompt"])
+    assert _lines(pool_path)[: len(made)] == made and len({r["i"] for r in _lines(pool_path)}) == len(_lines(pool_path))
+
+
+def test_eval_only_reports_and_leaves_the_draft_alone_unless_write_card(tiny_dir, tmp_path, capsys, one_thread):
+    """--eval-only measures and prints, under a progress bar; the shipped card (with its hand-written
+    sections) and specdec.json stay as they are. --write-card stores the results in both."""
+    d = tmp_path / "e"
+    main(["--arch", "eagle", "--target", str(tiny_dir), "--out", str(d), "--draft-vocab", str(VOCAB),
+          "--seq-len", "128", "--corpus-limit", "60", "--answers", "4", "--gen-batch", "4", "--gen-tokens", "8",
+          "--text-tokens", "1024", "--eval-prompts", "0", "--save-dtype", "float32", "--threads", "1",
+          "--dtype-teacher", "float32", "--steps", "0"])
+    with (d / "README.md").open("a") as f:
+        f.write("\n## Notes written by hand\n\nkept across evaluations\n")
+    card, extra = (d / "README.md").read_bytes(), (d / "specdec.json").read_bytes()
+    assert "acceptance" not in json.loads(extra)["metrics"]
+    evaluate = ["--eval-only", str(d), "--eval-prompts", "2", "--eval-tokens", "8", "--eval-dtype", "float32",
+                "--corpus-limit", "60", "--threads", "1"]
+    capsys.readouterr()
+    m = main(evaluate)
+    out, err = capsys.readouterr()
+    assert set(m["acceptance"]["all"]) == {"1", "2", "3", "4"} and "k=1: acceptance" in out
+    assert "evaluate: 100%" in err  # the progress bar, finished
+    assert (d / "README.md").read_bytes() == card and (d / "specdec.json").read_bytes() == extra
+    m2 = main([*evaluate, "--write-card"])
+    assert json.loads((d / "specdec.json").read_text())["metrics"]["acceptance"] == m2["acceptance"]
+    assert "| 1 |" in (d / "README.md").read_text()  # the card's table rewritten from the measurements

@@ -7,13 +7,17 @@ chat template, and raw code prefixes (a function's header and docstring) to cont
 
 Answers come from the engine's plain decoding with continuous batching and are appended to a jsonl
 file ({"i", "kind", "prompt", "output"} per line), so generation is resumable and a later run (or
-the EAGLE trainer's feature pass) reuses them.
+the EAGLE trainer's feature pass) reuses them. A record counts once its line ends: a last line an
+interruption cut short is skipped by the readers (`iter_jsonl`) and cut off by the next writer
+(`append_jsonl`), so its record is generated again.
 """
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from specdec.engine import EngineConfig, LLMEngine
 from specdec.sampling import SamplingParams
@@ -33,12 +37,44 @@ def training_prompts(corpus: Corpus, tokenizer, max_prompt: int = 256) -> list[t
     return out
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a jsonl cache file (none if it does not exist yet)."""
+def iter_jsonl(path: Path) -> Iterator[dict]:
+    """The records of a jsonl cache file, read line by line (none if it does not exist yet). Only
+    lines ending in a newline count: a partial last line, left by an interrupted write, is skipped."""
     path = Path(path)
     if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return
+    with path.open() as f:
+        for line in f:
+            if line.endswith("\n") and line.strip():
+                yield json.loads(line)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """All records of a jsonl cache file (`iter_jsonl`)."""
+    return list(iter_jsonl(path))
+
+
+def _complete_size(f, block: int = 1 << 16) -> int:
+    """Bytes of the binary file `f` up to and including its last newline (0 if it has none)."""
+    pos = f.seek(0, 2)
+    while pos > 0:
+        n = min(block, pos)
+        pos -= n
+        f.seek(pos)
+        i = f.read(n).rfind(b"\n")
+        if i >= 0:
+            return pos + i + 1
+    return 0
+
+
+def append_jsonl(path: Path) -> TextIO:
+    """`path` opened to append records, after cutting it back to its last newline: a partial last
+    line (an interrupted write, which `iter_jsonl` skipped) is dropped, not glued to the next record."""
+    path = Path(path)
+    if path.is_file():
+        with path.open("rb+") as f:
+            f.truncate(_complete_size(f))
+    return path.open("a")
 
 
 def plain_engine(model, tokenizer, batch: int, max_len: int) -> LLMEngine:
@@ -65,7 +101,7 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
     t0, n = time.perf_counter(), len(done)
     bar = tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True)
     chunk = 4 * batch
-    with path.open("a") as f:
+    with append_jsonl(path) as f:
         for c in range(0, len(todo), chunk):
             if minutes is not None and time.perf_counter() - t0 > 60 * minutes:
                 break

@@ -6,7 +6,10 @@ explain to a child, ...), plus generated ones: math word problems, translation r
 several languages, and questions the target itself writes about each topic (self-instruct, Wang
 et al. 2023: the target is asked for user questions at temperature 0.8, with three example
 questions; answers are deduplicated and filtered). The held-out split is by *topic*: `crc32(topic) % 100 < heldout_pct` goes to
-evaluation and training never sees a prompt about it.
+evaluation and training never sees a prompt about it: self-instruct questions and training rows
+that name a held-out topic are dropped (`mentioned_topic`), and evaluation asks only the
+topic-bound tasks (rewrites, math and code requests do not depend on the topic, so the same ones
+are training prompts).
 
 Answers are the target's own (sequence-level distillation, specdec_tools.distill.answers), greedy and
 sampled, so that the draft learns the target's distribution and not only its argmax.
@@ -151,25 +154,64 @@ def seed_prompts(topics: list[str], seed: int = 0) -> list[ChatItem]:
     return out
 
 
+_STOP_WORDS = {"with", "every", "enough", "about", "from", "into", "your", "their", "this", "that"}
+
+
+def _words(text: str) -> set[str]:
+    """Lower-case words, a plural's or possessive's "s" dropped ("the moon's phases" -> moon, phase)."""
+    return {w.removesuffix("s") for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 1}
+
+
+def topic_words(topic: str) -> set[str]:
+    """The words that name a topic (4+ letters, not filler): all of them in a text = about it."""
+    return {w.removesuffix("s") for w in re.findall(r"[a-z]+", topic.lower()) if len(w) >= 4 and w not in _STOP_WORDS}
+
+
+def mentioned_topic(text: str, topics: list[str]) -> str | None:
+    """The first of `topics` whose every naming word occurs in `text`, else None: a training
+    prompt that names a held-out topic ("How do you make electricity ...?", written by
+    self-instruct for "electric cars") would leak it into training."""
+    words = _words(text)
+    return next((t for t in topics if (tw := topic_words(t)) and tw <= words), None)
+
+
+def user_text(tokenizer, ids: list[int]) -> str:
+    """What the user wrote in a chat-template prompt (the user turns, joined by newlines; the
+    whole decoded text without a template): an answer the target gave in an earlier turn may
+    name any topic, the user's questions must not name a held-out one."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    try:
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "\x01"}], tokenize=False)
+    except Exception:  # noqa: BLE001 - no chat template
+        return text
+    before, after = probe.split("\x01", 1)
+    end = after.split("\n")[0] or after  # the end-of-turn marker
+    opening = (before[before.rfind(end) + len(end):] if end and end in before else before).lstrip("\n")
+    turns = re.findall(re.escape(opening) + "(.*?)" + re.escape(end), text, flags=re.S) if opening and end else []
+    return "\n".join(turns) if turns else text
+
+
 def _stems(text: str) -> set[str]:
     return {w[:4] for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 3}
 
 
-def clean_question(text: str, topic: str) -> str | None:
+def clean_question(text: str, topic: str, avoid: list[str] = ()) -> str | None:
     """The generated question if it reads as one user question about `topic` (one line, 4-40
-    words, ending in '?', sharing a word with the topic, not talking about the assistant), else None."""
+    words, ending in '?', sharing a word with the topic, not talking about the assistant, naming
+    none of the topics to `avoid`: the held-out ones), else None."""
     line = text.split('"')[0] if '"' in text else text  # after PREFILL the question ends at the quote
     line = line.strip().split("\n")[0].strip().lstrip("-*• ").strip()
     line = re.sub(r"^.{0,40}\bask(s|ed)?\b\s*[:,]\s*", "", line, flags=re.I)  # "A person might ask: ..."
     q = line.strip().strip("\"'“”").strip()
     if not q.endswith("?") or not 4 <= len(q.split()) <= 40 or _NOT_A_USER.search(q):
         return None
-    return q if _stems(q) & _stems(topic) else None
+    return q if _stems(q) & _stems(topic) and not mentioned_topic(q, list(avoid)) else None
 
 
 def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Path, batch: int = 24,
-                  seed: int = 0, max_attempts: int = 3) -> list[list[ChatItem]]:
-    """Questions the target writes about each topic (sampled at T=0.8, deduplicated, filtered),
+                  seed: int = 0, max_attempts: int = 3, avoid: list[str] = ()) -> list[list[ChatItem]]:
+    """Questions the target writes about each topic (sampled at T=0.8, deduplicated, filtered;
+    none naming a topic to `avoid`),
     cached in `path` (jsonl: {"topic", "text", "attempt", "per_topic"}). A topic with fewer than
     `per_topic` questions, never asked for that many, is asked again with fresh seeds (at most
     `max_attempts` times), so raising `per_topic` on a resumed run adds questions and keeps the
@@ -179,7 +221,7 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
 
     from specdec.prompts import encode_chat
     from specdec.sampling import SamplingParams
-    from specdec_tools.distill.answers import plain_engine, read_jsonl
+    from specdec_tools.distill.answers import append_jsonl, plain_engine, read_jsonl
 
     path = Path(path)
     cached = read_jsonl(path)
@@ -199,7 +241,7 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
         engine = plain_engine(model, tokenizer, batch, max(len(p) for p in prompt.values()) + 64)
         tries = 2 * per_topic
         bar = tqdm(total=len(todo), desc="self-instruct", unit="topic", dynamic_ncols=True)
-        with path.open("a") as f:
+        with append_jsonl(path) as f:
             for c in range(0, len(todo), max(1, batch // tries)):
                 chunk = todo[c: c + max(1, batch // tries)]
                 jobs = [(t, j) for t in chunk for j in range(tries)]
@@ -209,7 +251,7 @@ def self_instruct(model, tokenizer, topics: list[str], per_topic: int, path: Pat
                 seqs = engine.generate([prompt[t] for t, _ in jobs], params)
                 kept: dict[str, list[str]] = {t: [] for t in chunk}
                 for (t, _), s in zip(jobs, seqs):
-                    q = clean_question(tokenizer.decode(s.output_ids, skip_special_tokens=True), t)
+                    q = clean_question(tokenizer.decode(s.output_ids, skip_special_tokens=True), t, avoid)
                     seen = {x.lower() for x in have[t] + kept[t]}
                     if q and q.lower() not in seen and len(have[t]) + len(kept[t]) < per_topic:
                         kept[t].append(q)

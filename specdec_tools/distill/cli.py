@@ -3,7 +3,7 @@ Hugging Face checkpoint with a reduced head, and measure it with the engine.
 
     specdec-distill --target smollm2 --out drafts/smollm2-l4 --layers 4 --init-from-target \\
         --draft-vocab 8192 --minutes 30
-    specdec-distill --eval-only drafts/smollm2-l4
+    specdec-distill --eval-only drafts/smollm2-l4   (prints the results; --write-card also stores them in the draft)
     specdec-distill --arch eagle --target smollm2 --out drafts/smollm2-eagle --minutes 45   (see eagle_cli)
 
 Pipeline: load the target (fp32, to copy initial weights, then the teacher dtype); build the
@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--target", default="smollm2", help="target model spec (HF dir, .gguf, or 'smollm2')")
     a("--out", help="output checkpoint directory")
-    a("--eval-only", metavar="DIR", help="only evaluate the draft in DIR (target from its specdec.json)")
+    a("--eval-only", metavar="DIR", help="only evaluate the draft in DIR (target from its specdec.json) and print "
+      "the results; DIR is left as it is unless --write-card")
+    a("--write-card", action="store_true", help="with --eval-only: store the results in DIR's specdec.json metrics "
+      "and, for an EAGLE draft, rewrite its README.md from them (hand-written sections of the card are lost)")
     a("--arch", choices=["llama", "eagle"], default="llama",
       help="llama: a standalone small model; eagle: one layer over the target's features (specdec.eagle_draft)")
     g = p.add_argument_group("draft architecture")
@@ -160,14 +163,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.write_card and not args.eval_only:
+        raise SystemExit("--write-card goes with --eval-only DIR")
     if args.eval_only:
         d = Path(args.eval_only)
         given = any(a.startswith("--target") for a in argv)
         target = args.target if given else resolve_extra(d).get("target", args.target)
         metrics = run_eval(d, target, args)
-        extra = _update_metrics(d, metrics)
-        if is_eagle(d):
-            eagle_cli.write_model_card(d, extra)
+        print(json.dumps({k: v for k, v in metrics.items() if k != "acceptance"}, indent=1))
+        if args.write_card:
+            extra = _update_metrics(d, metrics)
+            if is_eagle(d):
+                eagle_cli.write_model_card(d, extra)
+            print(f"wrote the results into {d / 'specdec.json'}" + (" and README.md" if is_eagle(d) else ""))
+        else:
+            print(f"{d} left unchanged (--write-card stores the results in its specdec.json and model card)")
         return metrics
     if not args.out:
         raise SystemExit("--out is required (or --eval-only DIR)")

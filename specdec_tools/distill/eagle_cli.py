@@ -74,7 +74,17 @@ def add_arguments(p) -> None:
                    "per prompt, without writing questions")
 
 
+def held_out_free(answers: list[dict], tok, heldout_topics: list[str]) -> list[dict]:
+    """`answers` without those whose prompt names a held-out chat topic (chat.mentioned_topic):
+    questions written before that filter existed, and packed data of earlier runs."""
+    kept = [r for r in answers if not chat.mentioned_topic(chat.user_text(tok, r["prompt"]), heldout_topics)]
+    if len(kept) < len(answers):
+        print(f"{len(answers) - len(kept)} answers left out of training: their prompts name held-out topics", flush=True)
+    return kept
+
+
 def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> list[tuple[str, list[int]]]:
+    answers = held_out_free(answers, tok, chat.split_topics(args.heldout_chat_pct)[1])
     rows = [(r["kind"], r["prompt"] + r["output"]) for r in sorted(answers, key=lambda r: r["i"])]
     text = TextMix(corpus.train, tok, args.seq_len, eos, args.prose_frac, seed=args.seed)
     rng = random.Random(args.seed)
@@ -108,11 +118,11 @@ def _temperatures(n: int, sampled_frac: float) -> list[float]:
 def chat_rows(args, target, tok, work: Path) -> list[dict]:
     """Answers to everyday-chat prompts of the training topics (seed tasks, self-instruct
     questions, then second turns), resumable in `work`; returns their answer records."""
-    train_topics, _ = chat.split_topics(args.heldout_chat_pct)
+    train_topics, heldout_topics = chat.split_topics(args.heldout_chat_pct)
     seed = args.seed if args.chat_seed is None else args.chat_seed
     offset = 0 if seed == args.seed else 10_000_019 * seed  # answers' sampling seeds
     questions = chat.self_instruct(target, tok, train_topics, args.questions_per_topic, work / "questions.jsonl",
-                                   args.gen_batch, seed)
+                                   args.gen_batch, seed, avoid=heldout_topics)
     items = chat.seed_prompts(train_topics, seed) + questions[0]
     random.Random(seed).shuffle(items)
     for a, later in enumerate(questions[1:], 1):  # after the first run's order: cached answers keep their index
@@ -197,7 +207,7 @@ def run(args, argv: list[str]) -> dict:
     cfg = EagleTrainConfig(minutes=args.minutes, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                            warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise, draft_steps=args.train_steps,
                            save_minutes=args.save_minutes, seed=args.seed, amp=not args.no_amp)
-    trainer = EagleTrainer(draft, cache, cfg, work, state=ckpt)
+    trainer = EagleTrainer(draft, cache, cfg, work, state=ckpt, meta={"vocab_info": vocab_info})
     if ckpt is not None:
         print(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min trained)", flush=True)
     summary = trainer.run()

@@ -138,7 +138,7 @@ class EagleTrainConfig:
 
 
 def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, cfg: EagleTrainConfig,
-               train: bool = True) -> tuple[Tensor, dict]:
+               train: bool = True, generator: torch.Generator | None = None) -> tuple[Tensor, dict]:
     """feats [B, L, hidden] f_0..f_{L-1} (with a fusing draft: [B, L, (taps + 1) * hidden], the final
     feature last), tokens [B, L] x_0..x_{L-1}, mask [B, L] real positions.
 
@@ -147,10 +147,12 @@ def eagle_loss(draft: EagleDraft, feats: Tensor, tokens: Tensor, mask: Tensor, c
     draft step of inference -- attending to the first pass's entries before p, and is trained on
     the same targets (weighted cfg.step2_weight): later draft steps degrade less. Each further step
     j reads step j-1's predictions the same way (its own errors compounded, as at draft step j of
-    inference; the attention context stays the first pass's entries), weighted step2_weight^(j-1)."""
+    inference; the attention context stays the first pass's entries), weighted step2_weight^(j-1).
+    The input noise is drawn from `generator` (torch's global generator if None)."""
     f_in, f_out = feats[:, :-1].float(), feats[:, 1:, -draft.args.hidden_size:].float()
     if train and cfg.noise > 0:
-        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.noise
+        u = torch.rand(f_in.shape, generator=generator, dtype=f_in.dtype, device=f_in.device)
+        f_in = f_in + (u * 2 - 1) * cfg.noise
     m = (mask[:, 1:] & mask[:, :-1]).float()  # [B, L-1] positions with a real next token
     head = draft.lm_head.weight.float()
     p_teacher = torch.softmax(f_out @ head.T, -1)  # [B, L-1, N] the teacher at p+1
@@ -209,21 +211,28 @@ def _collate(cache: FeatureCache, rows: list[int]) -> tuple[Tensor, Tensor, Tens
 
 class EagleTrainer:
     """Epochs over the feature cache (shuffled length-bucketed batches), AdamW with warmup and a
-    cosine schedule on the run's progress; `ckpt.pt` (model, optimizer, step, time) every
-    `save_minutes`, so a resumed run continues the same schedule."""
+    cosine schedule on the run's progress; `ckpt.pt` (model, optimizer, step, time, epoch and the
+    batches of it done, plus `meta`) every `save_minutes`.
+
+    Every random draw is a function of what the checkpoint holds, as in the llama trainer: an
+    epoch's batch order is seeded by (seed, epoch) and a step's input noise by (seed, step), so a
+    resumed run skips the epoch's batches already trained and continues the same schedule, bit
+    for bit (with a step budget; a time budget ends where the clock says)."""
 
     def __init__(self, draft: EagleDraft, cache: FeatureCache, cfg: EagleTrainConfig, out: Path,
-                 state: dict | None = None):
-        self.draft, self.cache, self.cfg, self.out = draft, cache, cfg, Path(out)
+                 state: dict | None = None, meta: dict | None = None):
+        self.draft, self.cache, self.cfg, self.out, self.meta = draft, cache, cfg, Path(out), meta or {}
         self.params = [p for p in draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step, self.elapsed, self.epoch, self.tokens_seen = 0, 0.0, 0, 0
+        self.epoch_pos = 0  # batches of the current epoch already trained
         self.last: dict = {}
         if state is not None:
             draft.load_state_dict(state["model"], strict=False)
             self.opt.load_state_dict(state["opt"])
             self.step, self.elapsed = state["step"], state["elapsed"]
             self.epoch, self.tokens_seen = state.get("epoch", 0), state.get("tokens_seen", 0)
+            self.epoch_pos = state.get("epoch_pos", 0)
 
     def progress(self) -> float:
         parts = []
@@ -235,11 +244,22 @@ class EagleTrainer:
 
     def save(self) -> None:
         state = {"model": self.draft.trained_state(), "opt": self.opt.state_dict(), "step": self.step,
-                 "elapsed": self.elapsed, "epoch": self.epoch, "tokens_seen": self.tokens_seen,
-                 "cfg": asdict(self.cfg), "token_map": self.draft.token_map.tolist()}
+                 "elapsed": self.elapsed, "epoch": self.epoch, "epoch_pos": self.epoch_pos,
+                 "tokens_seen": self.tokens_seen, "cfg": asdict(self.cfg),
+                 "token_map": self.draft.token_map.tolist(), **self.meta}
         tmp = self.out / "ckpt.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "ckpt.pt")
+
+    def epoch_groups(self) -> list[list[int]]:
+        """The current epoch's batches in training order (shuffled by (seed, epoch))."""
+        groups = _batches(self.cache, list(range(len(self.cache.tokens))), self.cfg.batch_tokens)
+        random.Random(self.cfg.seed * 1000 + self.epoch).shuffle(groups)
+        return groups
+
+    def noise_generator(self) -> torch.Generator:
+        """The generator of this step's input noise, seeded by (seed, step)."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
 
     def train_step(self, rows: list[int]) -> dict:
         feats, tokens, mask = _collate(self.cache, rows)
@@ -247,7 +267,7 @@ class EagleTrainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.amp):
-            loss, info = eagle_loss(self.draft, feats, tokens, mask, self.cfg)
+            loss, info = eagle_loss(self.draft, feats, tokens, mask, self.cfg, generator=self.noise_generator())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -264,15 +284,13 @@ class EagleTrainer:
         last_save = time.perf_counter()
         ema = None
         while self.progress() < 1.0:
-            rng = random.Random(self.cfg.seed * 1000 + self.epoch)
-            groups = _batches(self.cache, list(range(len(self.cache.tokens))), self.cfg.batch_tokens)
-            rng.shuffle(groups)
-            for rows in groups:
+            for rows in self.epoch_groups()[self.epoch_pos:]:  # a resumed run skips the batches done
                 if self.progress() >= 1.0:
                     break
                 t0 = time.perf_counter()
                 info = self.train_step(rows)
                 self.elapsed += time.perf_counter() - t0
+                self.epoch_pos += 1
                 ema = info if ema is None else {k: 0.95 * ema[k] + 0.05 * v for k, v in info.items()}
                 bar.n = int(100 * min(1.0, self.progress()))
                 bar.set_postfix(step=self.step, ep=self.epoch, loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}",
@@ -283,7 +301,7 @@ class EagleTrainer:
                     self.save()
                     last_save = time.perf_counter()
             else:
-                self.epoch += 1
+                self.epoch, self.epoch_pos = self.epoch + 1, 0
         bar.close()
         self.save()
         self.last = ema or {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specdec.prompts import encode_chat
 from specdec.sampling import SamplingParams
-from specdec_tools.distill.answers import plain_engine, read_jsonl
+from specdec_tools.distill.answers import append_jsonl, plain_engine, read_jsonl
 from specdec_tools.distill.data import ChatPrompt
 
 GEN_BATCH = 8
@@ -29,7 +29,8 @@ class SeqPool:
         self.records: list[dict] = read_jsonl(self.path)  # {"i": prompt index, "prompt": ids, "output": ids}
         self.next_prompt = 1 + max((r["i"] for r in self.records), default=-1)
         st = state or {}
-        self.cursor = st.get("cursor", 0)
+        # records the checkpoint counted can be missing (a write cut short, then dropped): go on from the last one
+        self.cursor = min(st.get("cursor", 0), len(self.records))
         self.gen_seconds = st.get("gen_seconds", 0.0)
         self.gen_tokens = st.get("gen_tokens", 0)
 
@@ -53,7 +54,7 @@ class SeqPool:
         engine = plain_engine(self.model, self.tok, GEN_BATCH, self.seq_len + self.max_new)
         seqs = engine.generate(ids, SamplingParams(max_tokens=self.max_new, temperature=0.0))
         self.gen_seconds += time.perf_counter() - t0
-        with self.path.open("a") as f:
+        with append_jsonl(self.path) as f:
             for i, p, s in zip(batch, ids, seqs):
                 rec = {"i": i, "prompt": p, "output": list(s.output_ids)}
                 self.records.append(rec)
