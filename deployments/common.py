@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
@@ -17,6 +18,7 @@ Dtype = Annotated[Literal["float32", "bfloat16", "float16"], Field(description="
 Device = Annotated[Literal["cpu", "cuda"], Field(description="Where the model runs (cuda: one GPU per TP rank).")]
 MaxModelLen = Annotated[int, Field(ge=16, description="Longest sequence (prompt + output) in tokens.")]
 NumThreads = Annotated[int, Field(ge=0, description="torch threads per model process (0: SPECDEC_NUM_THREADS, else all cores).")]
+ForwardTimeout = Annotated[float, Field(gt=0, description="A model call (one verify or proposal) running longer than this fails the replica's health check, so Serve replaces a replica whose forward hangs; also the timeout of a tensor-parallel group's collectives (a rank that failed alone). Longer than the longest prefill.")]
 
 
 class ModelRuntime(BaseModel):
@@ -26,6 +28,7 @@ class ModelRuntime(BaseModel):
     device: Device = "cpu"
     max_model_len: MaxModelLen = 2048
     num_threads: NumThreads = 0
+    forward_timeout_s: ForwardTimeout = 300.0
 
 
 def set_torch_threads(n: int) -> None:
@@ -48,6 +51,7 @@ class ModelThread:
     def __init__(self, num_threads: int, name: str = "model"):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.run(set_torch_threads, num_threads)
+        self._busy_since: float | None = None  # when the running call began (None: idle)
 
     def run(self, fn, *args, **kwargs):
         """Run `fn` on the model thread and wait for it (construction-time work)."""
@@ -55,7 +59,21 @@ class ModelThread:
 
     async def call(self, fn, *args, **kwargs):
         """Run `fn` on the model thread without blocking the replica's event loop."""
-        return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self._executor.submit(self._timed, fn, *args, **kwargs))
+
+    def _timed(self, fn, *args, **kwargs):
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._busy_since = None
+
+    def check_not_stuck(self, timeout_s: float) -> None:
+        """Raise (a failed health check) when the call running now began over `timeout_s` ago:
+        the thread is stuck, and every call queued behind it with it."""
+        since = self._busy_since
+        if since is not None and (busy := time.monotonic() - since) > timeout_s:
+            raise TimeoutError(f"a model call has been running for {busy:.0f}s (forward_timeout_s={timeout_s:g})")
 
 
 def replica_id() -> str:

@@ -87,6 +87,11 @@ class DraftDeployment:
     async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
         await self.thread.call(self.proposer.release, seq_ids)
 
+    def check_health(self) -> None:
+        """Fail (so Serve replaces this replica) when a proposal hangs: its lanes would otherwise
+        wait draft_timeout_s for it, round after round."""
+        self.thread.check_not_stuck(self.cfg.forward_timeout_s)
+
     def stats(self) -> dict:
         return {"replica": self.id, "pid": os.getpid(), "proposer": self.cfg.proposer,
                 "active_sequences": self.proposer.num_active}

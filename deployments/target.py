@@ -74,10 +74,15 @@ def _load_rank(cfg: TargetConfig, rank: int, world: int):
     return apply_tp(model, rank, world)
 
 
-def _init_dist(backend: str, addr: str, port: int, rank: int, world: int) -> None:
+def _init_dist(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    """Join the group; a collective waiting longer than `timeout_s` for a peer raises (torch's
+    default, 30 minutes, left rank 0 hung when a worker's forward failed alone)."""
+    import datetime
+
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @ray.remote
@@ -89,7 +94,7 @@ class TPWorker:
         self.model = None
 
     def init(self, backend: str, addr: str, port: int) -> int:
-        _init_dist(backend, addr, port, self.rank, self.world)
+        _init_dist(backend, addr, port, self.rank, self.world, self.cfg.forward_timeout_s)
         self.model = _load_rank(self.cfg, self.rank, self.world)
         return os.getpid()
 
@@ -203,7 +208,7 @@ class TargetDeployment:
         backend = "nccl" if self.cfg.device == "cuda" else "gloo"
         addr, port = ray.util.get_node_ip_address(), _free_port()
         refs = [w.init.remote(backend, addr, port) for w in workers]
-        _init_dist(backend, addr, port, 0, world)  # joins the workers' rendezvous
+        _init_dist(backend, addr, port, 0, world, self.cfg.forward_timeout_s)  # joins the workers' rendezvous
         ray.get(refs)
         return workers
 
@@ -262,9 +267,11 @@ class TargetDeployment:
             return True
 
     def check_health(self) -> None:
-        """Fail (so Serve replaces this replica) when a tensor-parallel worker is gone."""
+        """Fail (so Serve replaces this replica) when a tensor-parallel worker is gone or a
+        forward hangs."""
         if self.broken:
             raise TargetFault(f"tensor-parallel group broken: {self.broken}")
+        self.thread.check_not_stuck(self.cfg.forward_timeout_s)
         if self.workers:
             ray.get([w.ping.remote() for w in self.workers], timeout=10)
 

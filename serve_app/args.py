@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from deployments.common import Device, NumThreads
+from deployments.common import Device, ForwardTimeout, NumThreads
 from deployments.draft import DraftConfig, ProposerSettings
 from deployments.batcher import RouterConfig, SchedulingConfig
 from deployments.target import TargetConfig
@@ -50,9 +50,10 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype. 'auto': bfloat16 on CPUs with native bfloat16 instructions (avx512_bf16, AMX), where bf16 speculation stays greedy-identical; float32 on other CPUs and on GPUs (see specdec.loader.fast_dtype; resolved on the machine that builds the app).")
     device: Device = "cpu"
     max_model_len: int | None = Field(None, ge=16, description="Longest sequence (prompt + output) in tokens. None: the target's own limit (max_position_embeddings), capped so that a target replica's preallocated KV cache fits in kv_cache_memory_gib; an explicit value above the model's limit is an error.")
-    kv_cache_memory_gib: float = Field(2.0, gt=0, description="With max_model_len=None: memory a target replica's KV cache (all its slots, all TP ranks) may take; bounds the derived max_model_len.")
+    kv_cache_memory_gib: float = Field(2.0, gt=0, description="Memory a target replica's KV cache (all its slots, all TP ranks) may take: bounds the derived max_model_len, and an explicit max_model_len whose cache needs more is an error (a replica also checks its machine's free memory before allocating).")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
     num_threads: NumThreads = 0
+    forward_timeout_s: ForwardTimeout = 300.0
     draft_threads: int = Field(1, ge=0, description="torch threads of a draft replica (0: like num_threads). One by default: the draft's forwards are small, and where it shares cores with the target, a second OpenMP team spin-waiting between proposals slowed the target's steps by ~10% (bench/round_profile.py, 2 cores).")
     target_cpus: float = Field(0.5, gt=0, description="CPUs per target rank (one placement-group bundle each).")
     draft_cpus: float = Field(0.25, gt=0, description="CPUs per draft replica.")
@@ -152,7 +153,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     def _runtime(self) -> dict:
         """The shared model-runtime settings (deployments.common.ModelRuntime) of draft and target."""
         return {"dtype": self.dtype, "device": self.device, "max_model_len": self._max_len(),
-                "num_threads": self.num_threads}
+                "num_threads": self.num_threads, "forward_timeout_s": self.forward_timeout_s}
 
     def target_config(self) -> TargetConfig:
         return TargetConfig(**self._runtime(), model=self.target, tp=self.tp, num_slots=self.target_slots,
@@ -190,15 +191,23 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         limit, what = margs.max_position_embeddings, "positions"
         if margs.sliding_window and margs.sliding_window < limit:  # exact only within one window
             limit, what = margs.sliding_window, "sliding-window span (not implemented: whole contexts are attended)"
+        from specdec.loader import parse_dtype
+        from specdec.model import KV_MARGIN
+        per_token = margs.kv_bytes_per_token(parse_dtype(self.dtype).itemsize)
+        budget = int(self.kv_cache_memory_gib * 2**30)
         if self.max_model_len is not None:
             if self.max_model_len > limit:
                 raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's {limit} {what}")
+            need = per_token * self.target_slots * (self.max_model_len + KV_MARGIN)
+            if need > budget:
+                raise ValueError(f"the KV cache of a target replica ({self.target_slots} slots x {self.max_model_len} "
+                                 f"positions, {per_token} bytes each) needs {need / 2**30:.2f} GiB, more than "
+                                 f"kv_cache_memory_gib={self.kv_cache_memory_gib}; raise kv_cache_memory_gib (the "
+                                 "replica must have the memory), or lower max_model_len / max_batch_size / lanes_per_target")
             return self.max_model_len
-        from specdec.loader import parse_dtype
-        per_token = margs.kv_bytes_per_token(parse_dtype(self.dtype).itemsize)
-        fits = int(self.kv_cache_memory_gib * 2**30) // (per_token * self.target_slots) // 16 * 16
+        fits = (budget // (per_token * self.target_slots) - KV_MARGIN) // 16 * 16
         if fits < 16:
-            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} holds {fits} positions for "
+            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} holds {max(fits, 0)} positions for "
                              f"{self.target_slots} slots ({per_token} bytes per token); raise it, or lower "
                              "max_batch_size / lanes_per_target")
         return min(limit, fits)

@@ -76,6 +76,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
             DraftDeployment, name="Draft",
             ray_actor_options=_actor_options(a, a.draft_cpus, 1 if a.device == "cuda" else 0),
             max_ongoing_requests=8 * a.lanes_per_target, request_router_config=affinity,
+            health_check_period_s=2, health_check_timeout_s=30,
             **_scaling(a, "Draft", a.draft_replicas, a.max_draft_replicas),
         ).bind(dcfg.model_dump())
     router = serve.deployment(

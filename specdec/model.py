@@ -120,6 +120,26 @@ def _sliding_window(text) -> int | None:
     return int(window)
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device` (CPU: MemAvailable, within a cgroup v2
+    memory limit), or None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                free = min(free, int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
 class KVCache(nn.Module):
     """Preallocated keys/values: [slots, kv_heads, max_len, head_dim] per layer, head-major, so
     that the keys a batch reads, [B, kv_heads, L, head_dim], are a view attention's matmuls take
@@ -415,6 +435,7 @@ class Attention(nn.Module):
 
 ATTN_ROWS = 4  # query rows per key/value head in position-invariant attention (padded up to a multiple; see below)
 ATTN_KEYS = 64  # keys per chunk of its weighted sum (the keys padded up to a multiple)
+KV_MARGIN = 16 + 2 * ATTN_KEYS  # cache positions past max_len: ragged rows' padding, whole chunks of keys
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -516,10 +537,20 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def setup_cache(self, num_slots: int, max_len: int, margin: int = 16 + 2 * ATTN_KEYS) -> None:
+    def setup_cache(self, num_slots: int, max_len: int, margin: int = KV_MARGIN) -> None:
         """Preallocate the KV cache: `num_slots` sequences of up to `max_len` positions (the margin:
         ragged rows' padding, and position-invariant attention reading whole chunks of keys, at least two), and
-        fuse the projections that share an input (`FusedLinear`): the model is set up for inference."""
+        fuse the projections that share an input (`FusedLinear`): the model is set up for inference.
+        MemoryError, before allocating, when the device has not that much memory free."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        need = sum(2 * num_slots * a.num_kv_heads * (max_len + margin) * a.head_dim * itemsize
+                   for a in (layer.self_attn for layer in self.layers) if a.kv_cache is None
+                   or a.kv_cache.k.shape != (num_slots, a.num_kv_heads, max_len + margin, a.head_dim))
+        free = free_memory(self.device)
+        if free is not None and need > free:
+            raise MemoryError(f"the KV cache ({num_slots} slots x {max_len} positions) needs {need / 2**30:.2f} GiB "
+                              f"and {self.device} has {free / 2**30:.2f} GiB free: lower max_model_len, or the slots "
+                              "(max_batch_size, lanes_per_target)")
         self.num_slots, self.max_len = num_slots, max_len
         for layer in self.layers:
             attn = layer.self_attn

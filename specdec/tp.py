@@ -5,12 +5,14 @@ Shoeybi et al. 2019).
 - column-parallel (split output features): q/k/v projections (whole attention heads) and the
   MLP's gate/up projections;
 - row-parallel (split input features): the attention output and MLP down projections, followed by
-  an all-reduce (a forward hook) that sums the partial results of all ranks.
+  an all-reduce (a forward hook) that sums the partial results of all ranks (with more than two
+  ranks in rank order, so that a position's logits do not depend on the others in its forward).
 Embeddings, norms and the LM head stay replicated, so every rank ends with the full logits. The
 model code itself never sees a rank; each rank's KV cache holds only its own kv heads.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -31,11 +33,24 @@ def _shard(linear: nn.Linear, dim: int, rank: int, world: int) -> None:
     linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
 
 
-def _all_reduce_hook(group):
-    def hook(_module, _inputs, output):
+def _all_reduce_hook(group, world: int):
+    """The row-parallel layer's sum over ranks. Two ranks: all_reduce (a + b == b + a exactly).
+    More: gloo and NCCL split a buffer by its size, so the order in which a position's partial
+    sums are added (and so its rounding) would depend on how many positions share the forward,
+    and a verify of k+1 positions would not give plain decoding's logits; so gather the partials
+    and add them in rank order, in float32, the same whatever the shape."""
+    def reduce_two(_module, _inputs, output):
         dist.all_reduce(output, group=group)
         return output
-    return hook
+
+    def reduce_in_rank_order(_module, _inputs, output):
+        parts = [torch.empty_like(output) for _ in range(world)]  # world x [batch, T, hidden]
+        dist.all_gather(parts, output.contiguous(), group=group)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part
+        return total.to(output.dtype)
+    return reduce_two if world <= 2 else reduce_in_rank_order
 
 
 def apply_tp(model, rank: int, world_size: int, group=None):
@@ -49,7 +64,7 @@ def apply_tp(model, rank: int, world_size: int, group=None):
             _shard(lin, 0, rank, world_size)
         for lin in (attn.o_proj, mlp.down_proj):
             _shard(lin, 1, rank, world_size)
-            lin.register_forward_hook(_all_reduce_hook(group))
+            lin.register_forward_hook(_all_reduce_hook(group, world_size))
         attn.num_heads //= world_size
         attn.num_kv_heads //= world_size
     model.tp_rank, model.tp_world_size = rank, world_size

@@ -34,14 +34,15 @@ def test_default_is_the_models_own_limit(short_dir):
 
 def test_default_is_capped_by_the_cache_budget(long_dir):
     # tiny target: 2 layers x (k, v) x 2 kv heads x 16 head dims = 128 values per token per slot
-    budget = 2**20  # 1 MiB for 8 x 2 = 16 slots
+    # (each slot's cache also holds KV_MARGIN = 144 positions past max_model_len)
+    budget = 2**21  # 2 MiB for 8 x 2 = 16 slots
     f32 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, dtype="float32")
-    assert f32.max_model_len == budget // (128 * 4 * 16) // 16 * 16 == 128
+    assert f32.max_model_len == (budget // (128 * 4 * 16) - 144) // 16 * 16 == 112
     bf16 = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, dtype="bfloat16")
-    assert bf16.max_model_len == 256  # half the bytes per token: twice the positions
+    assert bf16.max_model_len == 368  # half the bytes per token: twice the positions, less the margin
     fewer_slots = _resolved(target=str(long_dir), kv_cache_memory_gib=budget / 2**30, max_batch_size=2,
                             lanes_per_target=1, dtype="float32")
-    assert fewer_slots.max_model_len == 1024
+    assert fewer_slots.max_model_len == 1904
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         _resolved(target=str(long_dir), kv_cache_memory_gib=1e-6)
 

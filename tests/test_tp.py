@@ -60,6 +60,47 @@ def test_tp2_logits_match_single_process(tiny_dir):
     assert torch.equal(logits.argmax(-1), ref[0].argmax(-1))
 
 
+def _reduce_rank(rank, world, port, out_q):
+    import torch.distributed as dist
+
+    from specdec.tp import _all_reduce_hook
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    hook = _all_reduce_hook(None, world)
+    g = torch.Generator().manual_seed(100 + rank)
+    differ = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = torch.randn(16, 5, 576, generator=g).to(dtype)  # 16 trials of 5 positions (a verify)
+        for t in range(16):
+            one, five = hook(None, None, rows[t, :1].clone()), hook(None, None, rows[t].clone())
+            differ += int(not torch.equal(one[0], five[0]))
+    if rank == 0:
+        out_q.put(differ)
+        out_q.close()
+        out_q.join_thread()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_positions_sum_over_ranks_does_not_depend_on_the_others_in_its_forward(world):
+    """A plain step (1 position) and a verify (5) must reduce a position to the same bits, or
+    speculation would not be greedy-identical; with 3 ranks a plain all_reduce broke this in
+    every trial, bf16 and float32 (gloo splits the buffer by its size)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_reduce_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    differ = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert differ == 0
+
+
 def test_tp_degree_must_divide_heads():
     args = ModelArgs(vocab_size=10, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
                      num_kv_heads=3, head_dim=64)
