@@ -35,7 +35,7 @@ def _context_keys(tokens: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarra
     h = np.zeros(L, dtype=np.uint64)  # h[i]: hash of the n tokens ending at position i
     valid = np.ones(L, dtype=bool)  # no SEP inside the context
     keys, nexts = [], []
-    for n in range(1, max_n + 1):
+    for n in range(1, min(max_n, L) + 1):  # (no context is longer than the tokens)
         back = np.zeros(L, dtype=np.uint64)  # back[i] = tokens[i-n+1]
         back[n - 1:] = (tokens[: L - n + 1] + 2).astype(np.uint64)
         h = h * np.uint64(_MULT) + back  # wraps mod 2**64, as `_query_keys` does
@@ -44,6 +44,8 @@ def _context_keys(tokens: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarra
         ok = valid[:-1] & (tokens[1:] != SEP)
         keys.append(h[:-1][ok] ^ np.uint64(n))
         nexts.append(tokens[1:][ok])
+    if not keys:  # no tokens at all
+        return np.zeros(0, np.uint64), tokens[:0]
     return np.concatenate(keys), np.concatenate(nexts)
 
 

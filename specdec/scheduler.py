@@ -335,9 +335,9 @@ class Scheduler:
             emitted, m, k = verify.tokens[i], verify.num_accepted[i], draft.num_draft[i]
             kept = s.append(emitted, self.tokenizer)
             s.target_offset = len(s.tokens)
-            s.proposed += k
-            s.accepted += min(m, kept)  # (drafts accepted past a stop are not returned)
-            s.rounds += 1
+            s.proposed += k  # the request's usage counts proposer drafts: lookups of plain rounds go to SpecStats.lookup_*
+            s.accepted += min(m, kept) if k else 0  # (drafts accepted past a stop are not returned)
+            s.rounds += 1 if k or len(emitted) <= 1 else len(emitted) - m  # target forwards (a multi-step round: each)
             if verify.lookup_rows is not None and plan.draft_batch.lookup:
                 self._observe_lookups(s, *verify.lookup_rows[i])
             if k == 0 and len(emitted) > 1:  # a multi-step plain round: one plain round per token

@@ -41,3 +41,20 @@ class FakeTarget:
     async def _release(self, ids, pin=None):
         if self.worker is not None:
             self.worker.release(ids)
+
+
+class FakeDraft:
+    """A Draft handle over an in-process proposer."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.propose, self.release = Method(self._propose), Method(self._release)
+
+    def options(self, **_):
+        return self
+
+    async def _propose(self, batch, pin=None, avoid=None):
+        return "draft-a", self.proposer.propose(batch)
+
+    async def _release(self, ids, pin=None):
+        self.proposer.release(ids)

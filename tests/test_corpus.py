@@ -47,6 +47,17 @@ def test_table_answers_like_a_dictionary_of_ngrams(max_n, min_count, min_ratio):
     assert proposed > 100
 
 
+@pytest.mark.parametrize("length", [0, 1, 3, 4, 5])
+def test_a_corpus_shorter_than_its_longest_context(length):
+    """Fewer tokens than max_n (a tiny corpus) build a table like any other."""
+    answer = list(range(1, length + 1))
+    corpus = NgramCorpus(answer + [SEP], vocab_size=9, max_n=6)
+    oracle = _oracle([answer], 6, 1, 0.0)
+    for ctx in ([1], [1, 2], [2, 3, 4], [7]):
+        want, got = oracle(ctx), corpus.next_token(ctx)
+        assert (got is None) if want is None else (got in want)
+
+
 def test_longest_context_decides_and_weak_ones_stop():
     answers = [[5, 1, 2, 3], [6, 1, 2, 4], [6, 1, 2, 4], [7, 1, 2, 4]]
     corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], vocab_size=10)

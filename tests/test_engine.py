@@ -207,3 +207,26 @@ def test_context_limit_is_the_target_cache(tiny, kind):
     long_seq, healthy = eng.generate([list(range(3, 53)), short], [greedy(100), greedy(8)])
     assert long_seq.finish_reason == "length" and len(long_seq.tokens) == 64
     assert healthy.output_ids == ref and healthy.finish_reason == "length"
+
+
+def test_request_usage_counts_proposer_drafts_and_target_forwards(tiny):
+    """Tokens prompt lookup finds in multi-step plain rounds are not proposer drafts (SpecStats
+    counts them as lookups): a request's accepted drafts stay within its proposed ones, and its
+    rounds are the target forwards that made its tokens."""
+    target, _, tok = tiny
+    prompt = ([17, 250, 9, 41] * 8)[:24]  # repeats itself: lookups find tokens
+    eng = LLMEngine(TargetWorker(target, num_slots=1, max_model_len=128), NgramProposer(), tok,
+                    EngineConfig(max_batch_size=1, num_speculative_tokens=0, adaptive=False, plain_steps=8,
+                                 lookup_k=3, lookup_max_batch=4))
+    forwards = []
+    verify = eng.target.verify
+    eng.target.verify = lambda b, d: _count(forwards, verify(b, d))
+    seq = eng.generate([prompt], greedy(40))[0]
+    assert eng.stats.lookup_accepted > 0  # lookups did find tokens
+    assert seq.proposed == 0 and seq.accepted == 0
+    assert seq.rounds == sum(forwards)
+
+
+def _count(forwards: list, out):
+    forwards.append(out.steps)
+    return out

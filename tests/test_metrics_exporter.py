@@ -330,3 +330,32 @@ async def test_request_metrics_count_requests_not_choices(fakes, tiny_dir):
     assert fakes[M.PROMPT_TOKENS].total() == 3 and fakes[M.COMPLETION_TOKENS].total() == 14
     assert fakes[M.REQUESTS_IN_FLIGHT].last() == 0
     assert fakes[M.QUEUE_RUNNING].last() == 0 and fakes[M.QUEUE_WAITING].last() == 0
+
+
+@pytest.mark.asyncio
+async def test_drafts_of_rows_the_target_did_not_verify_are_not_counted_as_rejected(fakes, tiny_dir):
+    """Three rows, a target with one KV slot: two rows come back `unknown` each round, their
+    drafts never judged. A draft equal to the target is always accepted, so the metrics'
+    acceptance must be 1, as the engine's own statistics say."""
+    import torch
+    from deployments.batcher import Batcher
+    from fake_handles import FakeDraft, FakeTarget
+    from specdec.loader import load_model
+    from specdec.proposers.draft_model import DraftModelProposer
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    worker = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 1, 128)
+    draft = DraftModelProposer(load_model(tiny_dir, dtype=torch.float32), 3, 128)
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 128, "batch_wait_timeout_s": 0,
+                 "adaptive": False, "num_speculative_tokens": 3, "max_batch_size": 3, "max_lanes": 1,
+                 "max_request_share": 1.0}, FakeDraft(draft), FakeTarget(worker))
+    seqs = b.submit([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15]],
+                    [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3)
+    for s in seqs:
+        while not s.finished:
+            await b.wait(s)
+        b.finish(s)
+    assert b.resyncs["target"] > 0  # rows did come back unverified
+    assert b.stats.proposed > 0 and b.stats.accepted == b.stats.proposed
+    assert fakes[M.DRAFT_TOKENS].total() == fakes[M.ACCEPTED_TOKENS].total() == b.stats.proposed

@@ -30,9 +30,9 @@ FinishReason = Literal["stop", "length"]
 class SpeculativeUsage(BaseModel):
     """Extension under `usage.speculative`: how speculation went for this request."""
 
-    proposed_tokens: int = Field(description="Draft tokens proposed to the target.")
-    accepted_tokens: int = Field(description="Draft tokens the target accepted.")
-    rounds: int = Field(description="Verification rounds (target forward passes).")
+    proposed_tokens: int = Field(description="Draft tokens proposed to the target (tokens found by prompt lookup in plain rounds are not counted).")
+    accepted_tokens: int = Field(description="Draft tokens the target accepted, among those returned.")
+    rounds: int = Field(description="Target forward passes that generated this request's tokens.")
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
