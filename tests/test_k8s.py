@@ -557,6 +557,36 @@ def test_same_application_as_serve_config(name, rs, app):
     assert not differ, f"autoscaling policies differ from serve_config.yaml (manifest, serve_config): {differ}"
 
 
+def _local_apps():
+    path = ROOT / "serve_config.yaml"
+    return [(f"serve_config.yaml:{a['name']}", a) for a in yaml.safe_load(path.read_text())["applications"]] \
+        if path.is_file() else []
+
+
+@pytest.mark.parametrize("name,app", [(n, a) for n, _, a in APPS] + _local_apps(),
+                         ids=APP_IDS + [n for n, _ in _local_apps()])
+def test_policies_size_replicas_as_the_app_builds_them(name, app):
+    """A policy block in a config file replaces the builder's autoscaling config, policy_kwargs
+    included, so its capacities must be the app's own: a Target replica's slots, a Router
+    replica's rows (otherwise a 64-slot Target would scale out at a quarter of its slots)."""
+    from serve_app.autoscaling import AutoscalingParams
+
+    args = _app_args_cls()(**app["args"])
+    if not args.autoscaling:
+        return
+    want = {"target_sequences_per_replica": args.target_slots,
+            "router_ongoing_per_replica": max(1, args.total_lanes // args.router_replicas) * args.max_batch_size}
+    reads = {"<app>": list(want), "Router": ["router_ongoing_per_replica"], "Target": ["target_sequences_per_replica"]}
+    blocks = {"<app>": app.get("autoscaling_policy")} | {
+        d["name"]: (d.get("autoscaling_config") or {}).get("policy") for d in app.get("deployments", [])}
+    for where, policy in blocks.items():
+        if not policy or where not in reads:
+            continue
+        params = AutoscalingParams(**(policy.get("policy_kwargs") or {}))
+        for key in reads[where]:
+            assert getattr(params, key) == want[key], f"{where}: {key}={getattr(params, key)}, the app's {want[key]}"
+
+
 # ----------------------------------------------------------------------------- monitoring
 
 def _podmonitors() -> list[dict]:
