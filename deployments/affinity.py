@@ -13,16 +13,29 @@ Why not extend Serve's PowerOfTwoChoicesRequestRouter: its choice ignores the ca
 given (so `avoid` would do nothing), and it fulfils requests in FIFO order: the replica one
 routing task found goes to the oldest waiting request, whatever that request asked for, which
 swaps lanes whose rounds are in flight together (the first one's replica slower to answer its
-queue-length probe). Here each replica goes to the request it was chosen for.
+queue-length probe). Here each replica goes to the request it was chosen for; and since a routing
+task then serves only its own call, every waiting call gets a task (Serve's default, two per
+replica, would let calls waiting on one full or unreachable replica hold them all, stalling calls
+for idle ones). An unpinned call that the replicas outside `avoid` could not take for
+AVOID_GRACE_S also tries the avoided ones (a full, wedged or unreachable fresh replica must not
+strand a new lane).
 """
 from __future__ import annotations
 
 import random
+import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
+AVOID_GRACE_S = 1.0  # how long an unpinned call waits for a replica no other lane uses
+
+
 class AffinityRequestRouter(RequestRouter):
+    @property
+    def max_num_routing_tasks(self) -> int:
+        return self.max_num_routing_tasks_cap  # one per waiting call (module docstring)
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
@@ -35,8 +48,10 @@ class AffinityRequestRouter(RequestRouter):
                     return [[r]]
         avoid = set(kwargs.get("avoid") or ())
         fresh = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
-        pool = fresh or candidate_replicas
-        return [random.sample(pool, min(2, len(pool)))]  # the router takes the shorter queue of these
+        used = [r for r in candidate_replicas if r.replica_id.unique_id in avoid]
+        ranks = [random.sample(pool, min(2, len(pool))) for pool in (fresh, used) if pool]  # the shorter queue of each
+        waited = pending_request is not None and time.time() - pending_request.created_at > AVOID_GRACE_S
+        return ranks if waited or not fresh else ranks[:1]
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
         """Give `replica` to the request it was chosen for (the routing task passes that request's

@@ -78,3 +78,50 @@ async def test_a_call_pinned_to_a_full_replica_backs_off():
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(router._choose_replica_for_request(_pending(0, "full", [])), 0.5)
     assert Full.probes < 40, Full.probes  # a tight loop probes hundreds of times in 0.5 s
+
+
+class Stuck(FakeReplica):
+    """A replica that cannot take a call: full (`mode="full"`) or never answering its probe."""
+
+    def __init__(self, name: str, mode: str):
+        super().__init__(name, 0.0)
+        self.mode = mode
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        return self.max_ongoing_requests
+
+
+def _router(replicas) -> AffinityRequestRouter:
+    router = AffinityRequestRouter(deployment_id=DeploymentID(name="target", app_name="app"),
+                                   handle_source=DeploymentHandleSource.REPLICA)
+    router.update_replicas(replicas)
+    return router
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["full", "hang"])
+async def test_a_new_lane_falls_back_to_a_used_replica_when_the_fresh_one_cannot_take_it(mode):
+    router = _router([FakeReplica("used", 0.0), Stuck("fresh", mode)])
+    chosen = await asyncio.wait_for(router._choose_replica_for_request(_pending(0, None, ["used"])), 5.0)
+    assert chosen.replica_id.unique_id == "used"
+
+
+@pytest.mark.asyncio
+async def test_an_idle_fresh_replica_still_gets_the_new_lane():
+    for _ in range(5):
+        assert await _route({"used": 0.0, "fresh": 0.0}, [None], avoid=["used"]) == ["fresh"]
+
+
+@pytest.mark.asyncio
+async def test_calls_waiting_on_a_full_replica_do_not_stall_calls_for_another():
+    """Each waiting call has its own routing task: four calls waiting on full 'a' (Serve's
+    default: two tasks per replica, four here) must not keep a call for idle 'b' waiting."""
+    router = _router([Stuck("a", "full"), FakeReplica("b", 0.0)])
+    waiting = [asyncio.ensure_future(router._choose_replica_for_request(_pending(i, "a", []))) for i in range(4)]
+    await asyncio.sleep(0.05)
+    chosen = await asyncio.wait_for(router._choose_replica_for_request(_pending(9, "b", [])), 2.0)
+    assert chosen.replica_id.unique_id == "b"
+    for w in waiting:
+        w.cancel()
