@@ -473,6 +473,8 @@ class Batcher:
             lane.draft_down_until = time.monotonic() + self.cfg.draft_backoff_s
             for s in lane.scheduler.running:
                 s.draft_offset = 0  # whichever replica serves next must get the full context
+                if self.cfg.features:
+                    s.target_offset = 0  # ... and its features, which the target computes again
             return DraftOutput.empty(len(batch)), False
 
     async def _verify(self, lane: Lane, plan, draft: DraftOutput):

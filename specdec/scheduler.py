@@ -322,8 +322,9 @@ class Scheduler:
         for i, s in enumerate(seqs):
             if s.finished:  # aborted while the round ran
                 continue
+            lost = drafted and i in unknown_d  # the draft side no longer holds this sequence
             if drafted:
-                s.draft_offset = 0 if i in unknown_d else len(plan.draft_batch.new_tokens[i]) + plan.draft_batch.offsets[i]
+                s.draft_offset = 0 if lost else len(plan.draft_batch.new_tokens[i]) + plan.draft_batch.offsets[i]
                 sent = plan.draft_batch.features[i] if plan.draft_batch.features else None
                 if sent is not None and s.feat_start == sent[0]:
                     s.drop_features(len(sent[1]))
@@ -334,7 +335,9 @@ class Scheduler:
                 continue
             emitted, m, k = verify.tokens[i], verify.num_accepted[i], draft.num_draft[i]
             kept = s.append(emitted, self.tokenizer)
-            s.target_offset = len(s.tokens)
+            # a draft that reads features and lost the sequence needs them for the whole context,
+            # which only the target has: it re-prefills (else the draft's context restarts here)
+            s.target_offset = 0 if lost and self.cfg.features else len(s.tokens)
             s.proposed += k  # the request's usage counts proposer drafts: lookups of plain rounds go to SpecStats.lookup_*
             s.accepted += min(m, kept) if k else 0  # (drafts accepted past a stop are not returned)
             s.rounds += 1 if k or len(emitted) <= 1 else len(emitted) - m  # target forwards (a multi-step round: each)

@@ -154,10 +154,15 @@ def test_eagle_restarts_after_a_gap(target, prompts):
     for _ in range(3):
         eng.step()
     prop.release([s.seq_id for s in seqs])  # forget everything: the next round reports unknown rows
+    base = {}  # the position each sequence's draft context starts at, as last seen
     while eng.scheduler.has_work:
         eng.step()
+        base |= {s.seq_id: prop.buffers[s.seq_id].base for s in seqs if s.seq_id in prop.buffers}
     assert [s.output_ids for s in seqs] == ref
     assert eng.stats.proposed > 0
+    # the target re-prefilled them, so the draft's context starts at the prompt again, not where
+    # the loss happened (which would cost acceptance for the rest of the sequence)
+    assert base == {s.seq_id: 0 for s in seqs}
 
 
 def test_training_time_test_unrolls_each_step_on_the_previous_steps_predictions(target):

@@ -12,7 +12,9 @@ again just a length. A round:
 
 The target sends features as (first position, [n, hidden]) through `SpecBatch.features`; a gap
 (a restarted replica, a trimmed buffer) restarts the draft's context at the first position it
-has, which costs acceptance for a while but never correctness. A row with no feature yet (its
+has, which costs acceptance but never correctness; features from before that position (the
+target's re-prefill, which the scheduler asks for when the draft lost a sequence) restart it
+there, so the draft sees the whole context again. A row with no feature yet (its
 first round, before the target has seen it) gets no drafts.
 """
 from __future__ import annotations
@@ -75,10 +77,10 @@ class EagleProposer(DraftModelProposer):
         if st is None or not st.tokens:
             return None
         buf = self.buffers.get(sid)
-        if fresh or buf is None:
+        got = batch.features[i] if batch.features is not None else None
+        if fresh or buf is None or (got is not None and got[0] < buf.base):  # (earlier context: start over with it)
             buf = self.buffers[sid] = FeatureBuffer()
             st.cached = 0
-        got = batch.features[i] if batch.features is not None else None
         if got is not None and not buf.add(got[0], got[1]):
             buf.base, st.cached = got[0], 0  # new context: cache index 0 is this position
         last = len(st.tokens) - 2  # the feature at n-2 (with x_{n-1}) drafts x_n
