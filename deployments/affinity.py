@@ -5,7 +5,9 @@ replicas that hold its caches by passing `pin=<replica id>` with every call. Thi
 sends a pinned call to that replica when it is still a candidate, and otherwise (first call of a
 lane, or the replica is gone) makes a power-of-two choice (two random replicas, the shorter queue
 wins) among the replicas that other lanes do not use yet (`avoid=`), so lanes spread out and a
-replica just added by scale-out gets the next lane. A replica that receives sequences it
+replica just added by scale-out gets the next lane; a pinned Draft call that shares its replica
+with other lanes moves to such a replica (Draft replicas hold state for every lane, so a lane would
+otherwise stay where it is as long as it has work, and a new replica would sit idle). A replica that receives sequences it
 does not hold reports them unknown and the router resends their context (re-prefill), so replica
 loss costs a prefill, never a request.
 
@@ -42,12 +44,15 @@ class AffinityRequestRouter(RequestRouter):
         if pending_request is not None:  # a choice that was full is retried after a backoff, not in a tight loop
             pending_request.routing_context.should_backoff = True
         pin = kwargs.get("pin")
+        avoid = set(kwargs.get("avoid") or ())
+        fresh = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
         if pin:
             for r in candidate_replicas:
                 if r.replica_id.unique_id == pin:
-                    return [[r]]
-        avoid = set(kwargs.get("avoid") or ())
-        fresh = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+                    # a pin that other lanes share, given with `avoid` (Draft calls: a Draft replica
+                    # holds every lane's state, so lanes never leave one on their own), moves to a
+                    # replica no lane uses (one scale-out just added), else stays
+                    return [random.sample(fresh, min(2, len(fresh))), [r]] if pin in avoid and fresh else [[r]]
         used = [r for r in candidate_replicas if r.replica_id.unique_id in avoid]
         ranks = [random.sample(pool, min(2, len(pool))) for pool in (fresh, used) if pool]  # the shorter queue of each
         waited = pending_request is not None and time.time() - pending_request.created_at > AVOID_GRACE_S

@@ -436,11 +436,12 @@ class Batcher:
                     self.metrics.record_inter_token(round_s / e)
 
     def _avoid(self, lane: Lane, attr: str) -> list[str]:
-        """For a lane's first (unpinned) call: replicas other lanes already use, so that lanes
-        spread over replicas (and a scaled-out replica gets the next lane)."""
-        if getattr(lane, attr):
-            return []
-        return [p for l in self.lanes if l is not lane and (p := getattr(l, attr))]
+        """Replicas other lanes already use, for a lane's first (unpinned) call, so that lanes
+        spread over replicas (and a scaled-out replica gets the next lane), and for a Draft call
+        whose replica other lanes share, which then moves to a replica no lane uses."""
+        used = [p for l in self.lanes if l is not lane and (p := getattr(l, attr))]
+        pin = getattr(lane, attr)
+        return used if not pin or (attr == "draft_pin" and pin in used) else []
 
     async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
         if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:
@@ -457,6 +458,9 @@ class Batcher:
             rid, out = await asyncio.wait_for(self.draft.propose.remote(batch, pin=lane.draft_pin,
                                                                         avoid=self._avoid(lane, "draft_pin")),
                                               timeout=self.cfg.draft_timeout_s)
+            if lane.draft_pin and rid != lane.draft_pin:  # moved (rebalanced, or its replica left): free the old one's state
+                self._release_later(self.draft, lane.draft_pin,
+                                    [s.seq_id for s in lane.scheduler.running] + list(batch.release))
             lane.draft_pin = rid
             return out, True
         except Exception as e:  # noqa: BLE001 - draft loss only costs speed: run a plain round

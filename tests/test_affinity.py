@@ -125,3 +125,82 @@ async def test_calls_waiting_on_a_full_replica_do_not_stall_calls_for_another():
     assert chosen.replica_id.unique_id == "b"
     for w in waiting:
         w.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_pinned_call_sharing_its_replica_moves_to_an_unused_one_and_only_then():
+    # shared with another lane (pin in avoid), and a replica no lane uses: move there
+    assert await _route({"a": 0.0, "b": 0.0}, ["a"], avoid=["a"]) == ["b"]
+    # shared, but every replica in use: stay
+    assert await _route({"a": 0.0, "b": 0.0}, ["a"], avoid=["a", "b"]) == ["a"]
+    # not shared (or no avoid given, as Target calls): stay
+    assert await _route({"a": 0.0, "b": 0.0}, ["a"], avoid=["b"]) == ["a"]
+    assert await _route({"a": 0.0, "b": 0.0}, ["a"]) == ["a"]
+
+
+class _RoutedDraft:
+    """A Draft handle whose calls the real AffinityRequestRouter places on in-process replicas
+    (n-gram proposers; a replica's queue length is its calls in flight)."""
+
+    def __init__(self):
+        from fake_handles import Method
+        self.router = _router([])
+        self.replicas, self.proposers, self.n = {}, {}, 0
+        self.calls: dict[str, int] = {}
+        self.propose, self.release = Method(self._propose), Method(self._release)
+
+    def add_replica(self, name: str) -> None:
+        from specdec.proposers.ngram import NgramProposer
+        self.replicas[name], self.proposers[name] = FakeReplica(name, 0.0), NgramProposer()
+        self.router.update_replicas(list(self.replicas.values()))
+
+    def options(self, **_):
+        return self
+
+    async def _place(self, method: str, pin, avoid) -> str:
+        self.n += 1
+        return (await self.router._choose_replica_for_request(_pending(self.n, pin, list(avoid or ())))).replica_id.unique_id
+
+    async def _propose(self, batch, pin=None, avoid=None):
+        rid = await self._place("propose", pin, avoid)
+        self.calls[rid] = self.calls.get(rid, 0) + 1
+        await asyncio.sleep(0.005)
+        return rid, self.proposers[rid].propose(batch)
+
+    async def _release(self, ids, pin=None):
+        self.proposers[await self._place("release", pin, [])].release(ids)
+
+
+@pytest.mark.asyncio
+async def test_a_draft_replica_added_while_lanes_run_gets_a_lane(tiny_dir):
+    """Draft replicas hold every lane's state, so busy lanes never leave one by themselves: one a
+    scale-out adds must still get a lane (it used to get no call while the lanes had work)."""
+    import time
+
+    from deployments.batcher import Batcher
+    from fake_handles import FakeTarget
+    from specdec.loader import load_model
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    draft = _RoutedDraft()
+    draft.add_replica("D1")
+    b = Batcher({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0, "max_lanes": 2,
+                 "max_batch_size": 4, "num_speculative_tokens": 2, "adaptive": False, "lookup_k": 0,
+                 "max_queued_sequences": 64}, draft, FakeTarget(TargetWorker(load_model(tiny_dir), 16, 256)))
+    stop = time.monotonic() + 2.5
+
+    async def client(i: int) -> None:  # sends its next request when the last one is done
+        while time.monotonic() < stop:
+            [s] = b.submit([[5, 6, 7, 5, 6, 7, 8 + i]], [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)])
+            while not s.finished:
+                await b.wait(s)
+            b.finish(s)
+
+    async def scale_out() -> None:
+        await asyncio.sleep(0.7)
+        assert set(draft.calls) == {"D1"} and len(b.lanes) == 2
+        draft.add_replica("D2")
+
+    await asyncio.gather(scale_out(), *(client(i) for i in range(8)))
+    assert draft.calls.get("D2", 0) > 10
