@@ -389,7 +389,7 @@ class Batcher:
             r = await run_round_async(steps, first, propose, verify)
             if r is None:
                 return
-            sp.set(proposed=sum(n for i, n in enumerate(r.draft.num_draft) if i not in r.verify.unknown), accepted=sum(r.verify.num_accepted), emitted=sum(r.emitted),
+            sp.set(proposed=sum(r.judged_drafts), accepted=sum(r.verify.num_accepted), emitted=sum(r.emitted),
                    bonus=sum(1 for n, m in zip(r.draft.num_draft, r.verify.num_accepted) if n and m == n))
         self._account(r)
         if not sched.has_work and not self.queue:
@@ -424,9 +424,7 @@ class Batcher:
         self.resyncs["draft"] += len(draft.unknown)
         self.resyncs["target"] += len(verify.unknown)
         if self.metrics:
-            unknown = set(verify.unknown)  # rows the target did not verify (no slot): their drafts were never judged
-            drafted = [0 if i in unknown else n for i, n in enumerate(draft.num_draft)]
-            self.metrics.record_round(len(plan.seqs), drafted, list(verify.num_accepted), emitted,
+            self.metrics.record_round(len(plan.seqs), r.judged_drafts, list(verify.num_accepted), emitted,
                                       draft_s, target_s, round_s, verify.lookup_proposed, verify.lookup_accepted)
             self._record_load()
             for s, e in zip(plan.seqs, emitted):

@@ -51,6 +51,12 @@ class RoundResult:
     def emitted(self) -> list[int]:
         return [len(t) for t in self.verify.tokens]
 
+    @property
+    def judged_drafts(self) -> list[int]:
+        """Draft tokens per row that the target verified (0 for rows it did not hold: `unknown`)."""
+        unknown = set(self.verify.unknown)
+        return [0 if i in unknown else n for i, n in enumerate(self.draft.num_draft)]
+
 
 Call = Union[Propose, Verify]
 Steps = Generator[Call, object, "RoundResult | None"]
