@@ -50,7 +50,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype. 'auto': bfloat16 on CPUs with native bfloat16 instructions (avx512_bf16, AMX), where bf16 speculation stays greedy-identical; float32 on other CPUs and on GPUs (see specdec.loader.fast_dtype; resolved on the machine that builds the app).")
     device: Device = "cpu"
     max_model_len: int | None = Field(None, ge=16, description="Longest sequence (prompt + output) in tokens. None: the target's own limit (max_position_embeddings), capped so that a target replica's preallocated KV cache fits in kv_cache_memory_gib; an explicit value above the model's limit is an error.")
-    kv_cache_memory_gib: float = Field(2.0, gt=0, description="Memory a target replica's KV cache (all its slots, all TP ranks) may take: bounds the derived max_model_len, and an explicit max_model_len whose cache needs more is an error (a replica also checks its machine's free memory before allocating).")
+    kv_cache_memory_gib: float = Field(2.0, gt=0, description="Memory the KV caches of one replica may take: a target replica's (all its slots, all TP ranks, and its in-target draft's), and a draft replica's (every lane's rows). Bounds the derived max_model_len, and an explicit max_model_len whose caches need more is an error (a replica also checks its machine's free memory before allocating).")
     model_name: str | None = Field(None, description="Model id in the API (default: derived from target).")
     num_threads: NumThreads = 0
     forward_timeout_s: ForwardTimeout = 300.0
@@ -132,6 +132,11 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         return self.speculate and self.proposer in DRAFT_PROPOSERS and is_eagle(self.draft)
 
     @property
+    def in_target_draft(self) -> str | None:
+        """The EAGLE-style draft a target replica also holds (draft_in_target: tp=1 only)."""
+        return self.draft if self.uses_features and self.draft_in_target and self.tp == 1 else None
+
+    @property
     def total_lanes(self) -> int:
         """Running batches the targets can hold at most (every lane needs a target's cache slots)."""
         return self.lanes_per_target * (max(self.max_target_replicas, self.target_replicas) if self.autoscaling
@@ -161,7 +166,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                             return_hidden=self.uses_features,
                             feature_layers=feature_layers(self.draft) if self.uses_features else [],
                             worker_gpus=1 if self.device == "cuda" else 0, lookup_corpus=self.lookup_corpus,
-                            draft_in_target=self.draft if self.uses_features and self.draft_in_target and self.tp == 1 else None,
+                            draft_in_target=self.in_target_draft,
                             draft_in_target_k=self.draft_in_target_k, draft_in_target_greedy_k=self.draft_in_target_greedy_k,
                             compile=self.compile)
 
@@ -185,31 +190,40 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         """KV-cache slots of one target replica: one row per lane it can hold."""
         return self.max_batch_size * self.lanes_per_target
 
-    def _resolve_max_model_len(self, margs) -> int:
-        """An explicit max_model_len, checked against the model; else the model's own limit, capped
-        by the KV-cache budget (as vLLM derives it from the model config and the cache memory)."""
+    def _kv_caches(self, margs, draft_kv: int) -> list[tuple[str, int, int]]:
+        """(replica, slots, bytes per position) of each replica's preallocated KV caches: a target
+        replica's (all TP ranks, and its in-target draft's copy) and a draft replica's (every lane's
+        rows; `draft_kv`: the draft's bytes per position, 0 for a draft without a cache)."""
+        from specdec.loader import parse_dtype
+        target_kv = margs.kv_bytes_per_token(parse_dtype(self.dtype).itemsize)
+        caches = [("a target replica", self.target_slots, target_kv + (draft_kv if self.in_target_draft else 0))]
+        return caches + ([("a draft replica", self.max_batch_size * self.total_lanes, draft_kv)] if draft_kv else [])
+
+    def _resolve_max_model_len(self, margs, draft_kv: int = 0) -> int:
+        """An explicit max_model_len, checked against the model and the KV-cache budget; else the
+        model's own limit, capped so that every replica's caches fit the budget (as vLLM derives it
+        from the model config and the cache memory)."""
         limit, what = margs.max_position_embeddings, "positions"
         if margs.sliding_window and margs.sliding_window < limit:  # exact only within one window
             limit, what = margs.sliding_window, "sliding-window span (not implemented: whole contexts are attended)"
-        from specdec.loader import parse_dtype
         from specdec.model import KV_MARGIN
-        per_token = margs.kv_bytes_per_token(parse_dtype(self.dtype).itemsize)
         budget = int(self.kv_cache_memory_gib * 2**30)
+        caches = self._kv_caches(margs, draft_kv)
         if self.max_model_len is not None:
             if self.max_model_len > limit:
                 raise ValueError(f"max_model_len={self.max_model_len} exceeds the target's {limit} {what}")
-            need = per_token * self.target_slots * (self.max_model_len + KV_MARGIN)
-            if need > budget:
-                raise ValueError(f"the KV cache of a target replica ({self.target_slots} slots x {self.max_model_len} "
-                                 f"positions, {per_token} bytes each) needs {need / 2**30:.2f} GiB, more than "
-                                 f"kv_cache_memory_gib={self.kv_cache_memory_gib}; raise kv_cache_memory_gib (the "
-                                 "replica must have the memory), or lower max_model_len / max_batch_size / lanes_per_target")
+            for replica, slots, per_token in caches:
+                if (need := per_token * slots * (self.max_model_len + KV_MARGIN)) > budget:
+                    raise ValueError(f"the KV cache of {replica} ({slots} slots x {self.max_model_len} positions, "
+                                     f"{per_token} bytes each) needs {need / 2**30:.2f} GiB, more than "
+                                     f"kv_cache_memory_gib={self.kv_cache_memory_gib}; raise kv_cache_memory_gib "
+                                     "(the replica must have the memory), or lower max_model_len / max_batch_size "
+                                     "/ lanes_per_target")
             return self.max_model_len
-        fits = (budget // (per_token * self.target_slots) - KV_MARGIN) // 16 * 16
+        fits = min((budget // (per_token * slots) - KV_MARGIN) // 16 * 16 for _, slots, per_token in caches)
         if fits < 16:
             raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} holds {max(fits, 0)} positions for "
-                             f"{self.target_slots} slots ({per_token} bytes per token); raise it, or lower "
-                             "max_batch_size / lanes_per_target")
+                             f"{self.target_slots} slots per replica; raise it, or lower max_batch_size / lanes_per_target")
         return min(limit, fits)
 
     def _max_len(self) -> int:
@@ -221,7 +235,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     def validate_models(self) -> None:
         """Load configs and tokenizers (not weights) and check what spans deployments."""
         from specdec.loader import (ModelLoadError, check_same_vocab, load_tokenizer, materialize,
-                                    resolve)
+                                    parse_dtype, resolve)
         from specdec.model import ModelArgs
         from specdec.tp import check_tp
         from transformers import AutoConfig
@@ -238,8 +252,35 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         if self.proposer == "self" and self.self_draft_layers >= margs.num_layers:
             raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
                              f"{margs.num_layers} layers")
+        item = parse_dtype(self.dtype).itemsize
+        draft_kv, draft_positions = 0, None  # the draft's KV bytes per position; its own position limit
+        if self.speculate and self.proposer == "self":
+            draft_kv = margs.kv_bytes_per_token(item) // margs.num_layers * self.self_draft_layers
+        if self.proposer in DRAFT_PROPOSERS:
+            from specdec.eagle_draft import check_eagle_fits, is_eagle
+            if self.proposer == "eagle" and not is_eagle(self.draft):
+                raise ValueError(f"proposer='eagle' needs an EAGLE-style draft; {self.draft} is not one "
+                                 "(use proposer='draft' for a standalone draft model)")
+            dsrc = materialize(resolve(self.draft))
+            if is_eagle(self.draft):
+                try:
+                    c = check_eagle_fits(dsrc.path, margs)
+                except ValueError as e:
+                    raise ValueError(f"draft {self.draft} does not fit target {self.target}: {e}") from None
+                draft_kv = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * item
+            else:
+                try:
+                    dargs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(dsrc.path))
+                except ValueError as e:
+                    raise ValueError(f"draft {self.draft}: {e}") from None
+                draft_kv, draft_positions = dargs.kv_bytes_per_token(item), dargs.max_position_embeddings
         explicit_len = self.max_model_len is not None
-        self.max_model_len = self._resolve_max_model_len(margs)
+        self.max_model_len = self._resolve_max_model_len(margs, draft_kv if self.speculate else 0)
+        if draft_positions is not None and draft_positions < self.max_model_len:
+            if explicit_len:
+                raise ValueError(f"draft {self.draft} handles {draft_positions} positions, "
+                                 f"fewer than max_model_len={self.max_model_len}: lower max_model_len")
+            self.max_model_len = draft_positions // 16 * 16  # derived: the draft's limit too
         if self.lookup_corpus:
             from specdec.corpus import corpus_vocab_size
             from specdec.loader import resolve_corpus
@@ -251,26 +292,6 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                 raise ValueError(f"lookup_corpus {self.lookup_corpus} was made for a vocabulary of {vocab} tokens; "
                                  f"target {self.target} has {margs.vocab_size}")
         if self.proposer in DRAFT_PROPOSERS:
-            from specdec.eagle_draft import check_eagle_fits, is_eagle
-            if self.proposer == "eagle" and not is_eagle(self.draft):
-                raise ValueError(f"proposer='eagle' needs an EAGLE-style draft; {self.draft} is not one "
-                                 "(use proposer='draft' for a standalone draft model)")
-            dsrc = materialize(resolve(self.draft))
-            if is_eagle(self.draft):
-                try:
-                    check_eagle_fits(dsrc.path, margs)
-                except ValueError as e:
-                    raise ValueError(f"draft {self.draft} does not fit target {self.target}: {e}") from None
-            else:
-                try:
-                    dargs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(dsrc.path))
-                except ValueError as e:
-                    raise ValueError(f"draft {self.draft}: {e}") from None
-                if dargs.max_position_embeddings < self.max_model_len:
-                    if explicit_len:
-                        raise ValueError(f"draft {self.draft} handles {dargs.max_position_embeddings} positions, "
-                                         f"fewer than max_model_len={self.max_model_len}: lower max_model_len")
-                    self.max_model_len = dargs.max_position_embeddings // 16 * 16  # derived: the draft's limit too
             try:
                 check_same_vocab(load_tokenizer(src.path), load_tokenizer(dsrc.path), self.target, self.draft)
             except ModelLoadError as e:

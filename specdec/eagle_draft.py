@@ -33,10 +33,21 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from transformers import AutoConfig, PretrainedConfig
 
 from specdec.model import BatchIndex, DecoderLayer, Linear, ModelArgs, Transformer
 
 EAGLE_KIND = "eagle"
+
+
+class EagleDraftConfig(PretrainedConfig):
+    """An EAGLE checkpoint's config.json, known to AutoConfig: transformers reading the directory
+    (AutoTokenizer at build time) no longer warns of an unknown model type."""
+
+    model_type = "specdec_eagle"
+
+
+AutoConfig.register(EagleDraftConfig.model_type, EagleDraftConfig, exist_ok=True)
 
 
 class EagleDraft(Transformer):
@@ -165,7 +176,7 @@ class EagleDraft(Transformer):
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         a = self.args
-        config = {"architectures": ["SpecdecEagleDraft"], "model_type": "specdec_eagle",
+        config = {"architectures": ["SpecdecEagleDraft"], "model_type": EagleDraftConfig.model_type,
                   "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
                   "num_hidden_layers": a.num_layers, "num_attention_heads": a.num_heads,
                   "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "rms_norm_eps": a.rms_norm_eps,

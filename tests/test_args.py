@@ -146,3 +146,23 @@ def test_command_line_strings_parse(short_dir):
 def test_lanes_cover_every_initial_target_replica(short_dir):
     a = AppArgs(target=str(short_dir), proposer="ngram", autoscaling=True, target_replicas=4, max_target_replicas=1)
     assert a.total_lanes == 4 * a.lanes_per_target  # not 1 target's lanes over 4 replicas
+
+
+def test_every_replicas_cache_fits_the_budget(long_dir, tiny_draft_dir, tiny_dir, tiny_eagle_dir):
+    # a Draft replica holds every lane's rows: 8 target replicas x 2 lanes x 8 rows = 128 slots
+    many = dict(target_replicas=8, kv_cache_memory_gib=2**24 / 2**30, dtype="float32")
+    selfd = AppArgs(target=str(long_dir), proposer="self", self_draft_layers=1, **many)
+    selfd.validate_models()  # draft: 128 slots x 1 layer (256 B); target: 16 slots x 2 layers (512 B)
+    assert selfd.max_model_len == (2**24 // (256 * 128) - 144) // 16 * 16 == 368  # target alone: 1904
+    explicit = AppArgs(target=str(long_dir), proposer="draft", draft=str(tiny_draft_dir), max_model_len=256,
+                       **{**many, "kv_cache_memory_gib": 5e6 / 2**30})  # target 3.3 MB, draft 128 x 128 B x 400: 6.6 MB
+    with pytest.raises(ValueError, match="KV cache of a draft replica"):
+        explicit.validate_models()
+    # the in-target copy of an EAGLE draft (1 layer, 256 B per position) shares the target's budget
+    budget = dict(kv_cache_memory_gib=2**22 / 2**30, dtype="float32")
+    with_copy = AppArgs(target=str(tiny_dir), proposer="hybrid", draft=str(tiny_eagle_dir), **budget)
+    with_copy.validate_models()
+    assert with_copy.target_config().draft_in_target and with_copy.max_model_len == 192  # 16 x 768 B per position
+    without = AppArgs(target=str(tiny_dir), proposer="hybrid", draft=str(tiny_eagle_dir), draft_in_target=False, **budget)
+    without.validate_models()
+    assert without.max_model_len == 368
