@@ -107,3 +107,45 @@ def test_tp_degree_must_divide_heads():
     check_tp(args, 3)
     with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
         check_tp(args, 2)
+
+
+def _invariance_rank(rank, world, port, path, out_q):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = apply_tp(load_model(path, dtype=torch.bfloat16), rank, world)
+    model.setup_cache(2, 64)
+    prompt, chain = [3, 17, 250, 9, 41, 5], [7, 11, 13, 17, 19]
+    with torch.inference_mode():
+        for slot in (0, 1):
+            model(torch.tensor([prompt]), torch.tensor([slot]), torch.tensor([0]))
+        steps = [model(torch.tensor([[t]]), torch.tensor([0]), torch.tensor([len(prompt) + i]))[0][0, -1]
+                 for i, t in enumerate(chain)]  # plain decoding: one position per forward
+        verify, _ = model(torch.tensor([chain]), torch.tensor([1]), torch.tensor([len(prompt)]),
+                          n_logits=len(chain))  # a verify: all of them in one forward
+    if rank == 0:
+        out_q.put(sum(int(not torch.equal(s, v)) for s, v in zip(steps, verify[0])))
+        out_q.close()
+        out_q.join_thread()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sharded_bf16_model_gives_a_position_the_same_logits_in_a_verify_as_in_a_step(world, tmp_path):
+    """End to end through the sharded model: what makes bf16 speculation greedy-identical at any tp."""
+    from tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "t6", seed=0, layers=2, hidden=96, heads=6, kv_heads=6,
+                                intermediate=192)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_invariance_rank, args=(r, world, port, str(path), q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    differ = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert differ == 0
