@@ -68,10 +68,10 @@ class TargetConfig(ModelRuntime):
 def _load_rank(cfg: TargetConfig, rank: int, world: int):
     set_torch_threads(cfg.num_threads)
     device = f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else "cpu"
-    model = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device=device)
+    model = load_model(cfg.model, dtype=parse_dtype(cfg.dtype), device="cpu")
     if rank == 0:  # only rank 0's features leave the replica: the other ranks skip the taps
         model.feature_layers = tuple(cfg.feature_layers)
-    return apply_tp(model, rank, world)
+    return apply_tp(model, rank, world).to(device)  # sharded on the host: a rank's device holds its shard only
 
 
 def _init_dist(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:

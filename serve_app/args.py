@@ -249,6 +249,11 @@ class AppArgs(SchedulingConfig, ProposerSettings):
             check_tp(margs, self.tp)
         except ValueError as e:
             raise ValueError(f"tp={self.tp} cannot shard target {self.target}: {e}") from None
+        tokenizer = load_tokenizer(src.path)  # the Router's: a checkpoint without one fails here, not in a replica
+        if len(tokenizer) > margs.vocab_size:
+            raise ValueError(f"target {self.target}'s tokenizer has {len(tokenizer)} tokens, more than its "
+                             f"{margs.vocab_size} embeddings: a prompt with one of the others would fail every request "
+                             "batched with it (resize the embeddings, or use the checkpoint's own tokenizer)")
         if self.proposer == "self" and self.self_draft_layers >= margs.num_layers:
             raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
                              f"{margs.num_layers} layers")
@@ -274,6 +279,10 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                 except ValueError as e:
                     raise ValueError(f"draft {self.draft}: {e}") from None
                 draft_kv, draft_positions = dargs.kv_bytes_per_token(item), dargs.max_position_embeddings
+                if not len(tokenizer) <= dargs.vocab_size <= margs.vocab_size:
+                    raise ValueError(f"draft {self.draft} has {dargs.vocab_size} embeddings: it must embed every "
+                                     f"token of the tokenizer ({len(tokenizer)}) and propose none the target cannot "
+                                     f"embed ({margs.vocab_size})")
         explicit_len = self.max_model_len is not None
         self.max_model_len = self._resolve_max_model_len(margs, draft_kv if self.speculate else 0)
         if draft_positions is not None and draft_positions < self.max_model_len:
@@ -293,6 +302,6 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                                  f"target {self.target} has {margs.vocab_size}")
         if self.proposer in DRAFT_PROPOSERS:
             try:
-                check_same_vocab(load_tokenizer(src.path), load_tokenizer(dsrc.path), self.target, self.draft)
+                check_same_vocab(tokenizer, load_tokenizer(dsrc.path), self.target, self.draft)
             except ModelLoadError as e:
                 raise ValueError(str(e)) from None

@@ -138,14 +138,17 @@ def materialize(src: ModelSource) -> ModelSource:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    import shutil
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
     try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
         os.replace(tmp, out)
-    except OSError:  # another process finished the same conversion first
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:  # another process finished the same conversion first, or the save failed
+        if not (out / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # never a half-written copy left in the cache
     return ModelSource(out)
 
 
@@ -165,9 +168,14 @@ def load_hf_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32):
 
     src = materialize(resolve(spec))
     try:
-        return AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, output_loading_info=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load a causal LM from {src.label}: {e}") from e
+    missing = sorted(info["missing_keys"])  # transformers fills these with random values and only warns
+    if missing:
+        raise ModelLoadError(f"{src.label} lacks {len(missing)} of the model's weights (e.g. {missing[:3]}); "
+                             "a checkpoint saved under another prefix or missing tensors would compute garbage")
+    return model.eval()
 
 
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):

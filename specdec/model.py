@@ -78,7 +78,7 @@ class ModelArgs:
             head_dim=head_dim,
             rms_norm_eps=text.rms_norm_eps,
             rope_theta=float(theta),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            max_position_embeddings=_exact_positions(text, rope),
             attention_bias=text.model_type == "qwen2",
             qk_norm=text.model_type in ("qwen3",),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -105,6 +105,17 @@ def _check_supported(text) -> None:
     found = [name for name, present in unsupported.items() if present]
     if found:
         raise ValueError(f"this {kind} checkpoint uses {', '.join(found)}, which this engine does not implement")
+
+
+def _exact_positions(text, rope: dict) -> int:
+    """Positions this runner computes exactly: its rotary frequencies are fixed when it loads,
+    and LongRoPE's switch to its long factors past the original length (transformers' dynamic
+    update) does not happen here, so such a model is capped at its original length."""
+    limit = getattr(text, "max_position_embeddings", 4096)
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+        limit = min(limit, original or limit)
+    return limit
 
 
 def _sliding_window(text) -> int | None:

@@ -125,3 +125,64 @@ def test_generation_config_eos_ids_end_generation(tmp_path):
     path = make_tiny_checkpoint(tmp_path, seed=0, layers=1)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 108]}))
     assert {0, 108} <= set(eos_ids_of(load_tokenizer(path)))
+
+
+def test_a_checkpoint_lacking_weights_fails_to_load(tmp_path, tiny_dir):
+    """transformers fills weights a checkpoint lacks with random values and only warns: the loader
+    refuses (an untied model without its head, a lost tensor, weights saved under another prefix)."""
+    from safetensors.torch import load_file, save_file
+    from specdec.loader import ModelLoadError, load_model
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    for name, keep in (("nohead", lambda k: k != "lm_head.weight"),
+                       ("nolayer", lambda k: k != "model.layers.1.mlp.down_proj.weight")):
+        out = tmp_path / name
+        out.mkdir()
+        for f in tiny_dir.iterdir():
+            if f.name != "model.safetensors":
+                (out / f.name).write_bytes(f.read_bytes())
+        save_file({k: v for k, v in state.items() if keep(k)}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match="lacks 1 of the model's weights"):
+            load_model(out)
+    load_model(tiny_dir)
+
+
+def test_longrope_is_capped_at_its_original_length(tmp_path):
+    """The runner's rotary frequencies are fixed at load: LongRoPE's long factors (used by
+    transformers past the original length) never apply, so the context stops there."""
+    from serve_app.args import AppArgs
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 64}
+    assert ModelArgs.from_hf_config(_config("llama", rope_scaling=rope)).max_position_embeddings == 64
+    path = _checkpoint(tmp_path, "llama", rope_scaling=rope)
+    args = AppArgs(target=str(path), proposer="ngram", dtype="float32", lookup_corpus=None)
+    args.validate_models()
+    assert args.max_model_len == 64
+    with pytest.raises(ValueError, match="exceeds the target's 64 positions"):
+        AppArgs(target=str(path), proposer="ngram", dtype="float32", max_model_len=128).validate_models()
+
+
+def test_vocabularies_are_checked_at_build(tmp_path, tiny_dir):
+    """A tokenizer with more tokens than the embeddings, a draft that cannot embed every token or
+    proposes ids the target cannot embed, a target without a tokenizer: refused when the app is
+    built (before: an IndexError failed every request batched with such a token)."""
+    from serve_app.args import AppArgs
+    from tiny_models import make_tiny_checkpoint
+    small = make_tiny_checkpoint(tmp_path / "small", seed=0, layers=1)
+    cfg = json.loads((small / "config.json").read_text())
+    n_tok = cfg["vocab_size"]
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": n_tok - 8}))
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(small / "model.safetensors"))
+    save_file({k: v[: n_tok - 8] if k in ("model.embed_tokens.weight", "lm_head.weight") else v
+               for k, v in state.items()}, str(small / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"tokenizer has {n_tok} tokens, more than its {n_tok - 8} embeddings"):
+        AppArgs(target=str(small), proposer="ngram", dtype="float32", lookup_corpus=None).validate_models()
+    with pytest.raises(ValueError, match=f"has {n_tok - 8} embeddings: it must embed every token"):
+        AppArgs(target=str(tiny_dir), proposer="draft", draft=str(small), dtype="float32",
+                max_model_len=128).validate_models()
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (notok / name).write_bytes((tiny_dir / name).read_bytes())
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        AppArgs(target=str(notok), proposer="ngram", dtype="float32", lookup_corpus=None).validate_models()

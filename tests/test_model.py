@@ -105,6 +105,30 @@ def test_missing_model_fails_clearly(tmp_path):
         resolve(tmp_path / "weights.bin")
 
 
+def test_a_failed_gguf_conversion_leaves_nothing_in_the_cache(tmp_path, tiny_dir, monkeypatch):
+    """A conversion that dies while saving (disk full) must not leave a half-written copy behind
+    (the demo's is ~0.5 GB); the next start converts again. transformers' GGUF reader is stubbed."""
+    import transformers
+    from specdec import envs, loader
+    monkeypatch.setattr(envs, "CACHE_DIR", str(tmp_path / "cache"))
+    real_model, real_tok = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda path, gguf_file=None, **kw: real_model(tiny_dir, **kw))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, gguf_file=None, **kw: real_tok(tiny_dir))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" * 64)
+
+    def disk_full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            loader.materialize(resolve(gguf))
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    out = loader.materialize(resolve(gguf))
+    assert (out.path / "config.json").is_file() and [p.name for p in out.path.parent.iterdir()] == [out.path.name]
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_other_llama_families_match_transformers(family, tmp_path):
     """Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and Mistral checkpoints load and match transformers."""

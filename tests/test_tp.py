@@ -149,3 +149,23 @@ def test_a_sharded_bf16_model_gives_a_position_the_same_logits_in_a_verify_as_in
         p.join(timeout=60)
         assert p.exitcode == 0
     assert differ == 0
+
+
+def test_a_rank_shards_on_the_host_before_moving_to_its_device(tiny_dir, monkeypatch):
+    """Each rank loads the whole model: on its GPU that would need the unsharded model's memory
+    per rank, so the shard is cut on the host and only it moves to the device."""
+    import deployments.target as target_mod
+    seen = []
+
+    class Sharded:
+        def to(self, device):
+            seen.append(("to", device))
+            return self
+
+    real_load = target_mod.load_model
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(target_mod, "load_model", lambda *a, **kw: seen.append(("load", kw["device"])) or real_load(*a, **kw))
+    monkeypatch.setattr(target_mod, "apply_tp", lambda m, r, w: seen.append(("shard", str(m.device))) or Sharded())
+    cfg = target_mod.TargetConfig(model=str(tiny_dir), tp=2, device="cuda", max_model_len=64)
+    target_mod._load_rank(cfg, 0, 2)
+    assert seen == [("load", "cpu"), ("shard", "cpu"), ("to", "cuda:0")]
