@@ -182,7 +182,7 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     """Load `spec` as a compact `Transformer` (see specdec.model) in `dtype` on `device`."""
     from specdec.model import Linear, Transformer
 
-    hf = load_hf_model(spec, dtype=torch.float32)
+    hf = load_hf_model(spec, dtype=dtype)  # in the runner's dtype: a tied head stays one tensor, no float32 copy
     model = Transformer.from_hf(hf, dtype=dtype)
     model.source = str(spec)
     extra = resolve_extra(spec)
