@@ -209,16 +209,22 @@ class Batcher:
         free = sum(max(0, self.cfg.max_batch_size - l.load) for l in self.lanes)
         return free + max(0, self.cfg.max_lanes - len(self.lanes)) * self.cfg.max_batch_size
 
+    def check_size(self, prompts: int, choices: int) -> None:
+        """RequestFailed (400) when a request of `prompts` x `choices` sequences exceeds what the
+        server can ever hold (running and queued)."""
+        count, most = prompts * choices, self.capacity() + self.cfg.max_queued_sequences
+        if count > most:
+            raise RequestFailed(f"too many sequences in one request ({prompts} prompt(s) x {choices} "
+                                f"choice(s) = {count}); this server runs at most {most}", 400)
+
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], group=None) -> list[Sequence]:
         """Queue one request: a sequence per prompt and params entry (n samples of each prompt),
         prompt-major, all or none. Raises RequestFailed (400) when the request alone exceeds
         what the server can ever hold, Overloaded when it fits neither in free lane rows nor in
         the bounded queue now. Sequences of one `group` (one request; default: this call) share
         the request's row cap (`max_request_share`)."""
-        count, most = len(prompts) * len(params), self.capacity() + self.cfg.max_queued_sequences
-        if count > most:
-            raise RequestFailed(f"too many sequences in one request ({len(prompts)} prompt(s) x {len(params)} "
-                                f"choice(s) = {count}); this server runs at most {most}", 400)
+        count = len(prompts) * len(params)
+        self.check_size(len(prompts), len(params))
         if len(self.queue) + count > self.cfg.max_queued_sequences + self._room():
             raise Overloaded()
         seqs = [Sequence(list(ids), p, frozenset(self.eos_ids)) for ids in prompts for p in params]

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from openai.types import CompletionUsage
@@ -32,6 +33,7 @@ from serve_app.args import ApiConfig
 from serve_app.protocol import (SSE_DONE, APIError, ChatCompletionRequest, ChatResponses, CompletionRequest,
                                 CompletionResponses, SpeculativeUsage, model_list, parse_request, sse,
                                 to_sampling_params, usage, validate_limits, wire)
+from specdec.loader import load_tokenizer
 from specdec.prompts import encode_chat, encode_text
 from specdec.sequence import Sequence
 
@@ -95,8 +97,8 @@ async def _failed(request: Request, e: RequestFailed) -> JSONResponse:
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     """FastAPI's own 404 (no such route) and 405 (wrong method), in OpenAI's format."""
     path = _route_path(request.scope)
-    if e.status_code == 405:
-        return _error(APIError(f"Method {request.method} not allowed for {path}.", status=405))
+    if e.status_code == 405:  # with the route's Allow header (RFC 9110 requires one)
+        return _error(APIError(f"Method {request.method} not allowed for {path}.", status=405, headers=e.headers))
     if e.status_code == 404:
         return _error(APIError(f"Unknown route {request.method} {path}.", status=404, code="not_found"))
     return _error(APIError(str(e.detail), status=e.status_code))
@@ -128,7 +130,13 @@ class OpenAIIngress:
         if self.api.require_api_key and not self.api_keys:
             raise ValueError(f"require_api_key is set but no keys in ${constants.API_KEYS_ENV}, "
                              f"${constants.API_KEYS_FILE_ENV} or api.api_keys_file")
-        self.vocab_size = len(self.tokenizer)
+        # Prompts are tokenized on a thread of their own, with a tokenizer of their own: a long one
+        # (up to max_body_bytes) takes a second, which on the event loop would stall every lane's
+        # rounds and streams; fast tokenizers release the GIL, and one not shared with the loop's
+        # detokenizers is never borrowed by two threads.
+        self.encoder = load_tokenizer(self.cfg.tokenizer)
+        self.vocab_size = len(self.encoder)
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def __del__(self) -> None:
         tracing.flush()  # Serve stops the replica (ray.kill skips atexit): export the spans it still buffers
@@ -137,10 +145,6 @@ class OpenAIIngress:
     def cfg(self):
         """The batcher's configuration (runtime knobs change it through `reconfigure`)."""
         return self.batcher.cfg
-
-    @property
-    def tokenizer(self):
-        return self.batcher.tokenizer
 
     # ---- what Serve calls on the deployment ---------------------------------------------------
     def reconfigure(self, user_config: dict) -> None:
@@ -155,13 +159,16 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
-        return await self._run(request, req, [self._encode_prompt(p) for p in req.prompts()])
+        prompts = req.prompts()
+        self._check_size(req, len(prompts))
+        return await self._run(request, req, await self._off_loop(lambda: [self._encode_prompt(p) for p in prompts]))
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
+        self._check_size(req, 1)
         try:
-            ids = encode_chat(self.tokenizer, req.messages_as_dicts())
+            ids = await self._off_loop(encode_chat, self.encoder, req.messages_as_dicts())
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         return await self._run(request, req, [ids])
@@ -215,11 +222,19 @@ class OpenAIIngress:
         return b"".join(chunks)
 
     # ---- generation ------------------------------------------------------------------------------
+    def _check_size(self, req, num_prompts: int) -> None:
+        """The checks that need no tokens, before tokenizing: a request refused anyway costs nothing."""
+        validate_limits(req, max_n=self.api.max_n, max_stop=self.api.max_stop,
+                        max_stop_len=self.api.max_stop_len, max_tokens_limit=self.api.max_tokens_limit)
+        self.batcher.check_size(num_prompts, req.num_choices)
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the tokenize thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+
     def _prepare(self, req, prompts: list[list[int]]):
         """Sampling params per choice, after the context-window checks."""
         completion = isinstance(req, CompletionRequest)
-        validate_limits(req, max_n=self.api.max_n, max_stop=self.api.max_stop,
-                        max_stop_len=self.api.max_stop_len, max_tokens_limit=self.api.max_tokens_limit)
         longest = max(len(p) for p in prompts)
         room = self.cfg.max_model_len - longest
         if room < 1:
@@ -238,7 +253,7 @@ class OpenAIIngress:
 
     def _encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            ids = encode_text(self.tokenizer, prompt)
+            ids = encode_text(self.encoder, prompt)
         else:
             ids = list(prompt)
             if any(not 0 <= t < self.vocab_size for t in ids):

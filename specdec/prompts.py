@@ -22,6 +22,7 @@ demo tokenizer.
 """
 from __future__ import annotations
 
+import bisect
 import re
 import secrets
 
@@ -107,7 +108,8 @@ def _in_content(text: str, offset: tuple[int, int], spans: list[tuple[int, int]]
     s, e = offset
     piece = text[s:e]
     s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
-    return any(s < b and a < e for a, b in spans)
+    i = bisect.bisect_left(spans, (e,)) - 1  # spans are ordered and disjoint: only the last one starting before e can overlap
+    return i >= 0 and s < spans[i][1]
 
 
 def encode_literal_spans(tokenizer, text: str, spans: list[tuple[int, int]], ids: list[int] | None = None,

@@ -154,3 +154,45 @@ async def test_the_default_max_tokens_respects_the_limit(ingress):
         capped = await c.post("/v1/completions", json=body)
     assert default.status_code == 200 and default.json()["usage"]["completion_tokens"] == 16  # OpenAI's default
     assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 5, capped.text
+
+
+@pytest.mark.asyncio
+async def test_prompts_are_tokenized_off_the_event_loop_and_only_when_they_can_be_served(ingress, monkeypatch):
+    """A long prompt takes a second to tokenize: on the event loop that would stall every lane's
+    rounds and every stream. And a request refused anyway (too many sequences, bad limits) is
+    refused before it costs any tokenizing."""
+    import threading
+    import time
+
+    app, ing, target = ingress
+    calls = []
+
+    def slow_encode(tokenizer, text):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.5)
+        return tokenizer(text).input_ids
+    monkeypatch.setitem(type(ing)._encode_prompt.__globals__, "encode_text", slow_encode)  # (Serve copied the module)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+    tick = asyncio.get_running_loop().create_task(ticker())
+    async with _client(app) as c:
+        ok = await c.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 2})
+        too_many = await c.post("/v1/completions", json={**BODY, "stream": False, "prompt": ["a"] * 5})
+        bad_stop = await c.post("/v1/completions", json={**BODY, "stream": False, "stop": [""]})
+    tick.cancel()
+    assert ok.status_code == 200 and too_many.status_code == 400 and bad_stop.status_code == 400
+    assert len(calls) == 1 and calls[0].startswith("tokenize")
+    assert ticks > 1  # the loop ran on while the prompt was tokenized (on it: at most 1 tick in those 0.5 s)
+
+
+@pytest.mark.asyncio
+async def test_a_wrong_method_gets_the_allow_header(ingress):
+    app, ing, target = ingress
+    async with _client(app) as c:
+        r = await c.get("/v1/completions")
+    assert r.status_code == 405 and r.headers.get("allow") == "POST" and "error" in r.json()
