@@ -105,7 +105,8 @@ class CostModel:
                  throttle_probe_every: int = 16, win_margin: float = 1.1, recheck_every: int = 256,
                  ceiling_acceptance: float = 0.9, calibration_spacing: int = 4):
         self.ema, self.recalibrate_every, self.calibration_spacing = ema, recalibrate_every, calibration_spacing
-        # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen, rows seen]
+        # (bucket, speculative) -> [EMA of tokens per round, EMA of seconds per round, rounds seen, rows seen,
+        #                           EMA of tokens per target forward (a multi-step plain round runs several)]
         self.throughput: dict[tuple[int, bool], list[float]] = {}
         # rows of speculative and of plain rounds each before the safeguard judges a bucket: 4 rounds
         # of one row, one of 4 rows or more (a lane of 8 used to pay 4 losing rounds before it did)
@@ -157,7 +158,7 @@ class CostModel:
             self.spec_seen[batch] = n
 
     # ---- the measured safeguard: tokens per second of speculative vs plain rounds --------------
-    def observe_throughput(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+    def observe_throughput(self, batch: int, speculative: bool, tokens: int, seconds: float, forwards: int = 1) -> None:
         """A round's outcome: `tokens` emitted over all rows in `seconds` of wall time as the loop
         paid it (in the service: hops included). Seconds are averaged over ~1/`throughput_ema`
         recent rounds, tokens over ~1/`tokens_ema` (more), the first rounds by their plain mean:
@@ -165,17 +166,20 @@ class CostModel:
         it, but a speculative round's tokens vary with acceptance (1 to k + 1 from one round to
         the next), and a window of a few rounds turned speculation off on every dip of acceptance,
         which the rows' own k already answers. The evidence counts rows: a round of B rows holds
-        B rows' acceptance (see `throughput_min_rows`)."""
+        B rows' acceptance (see `throughput_min_rows`). `forwards`: the target forwards the round
+        ran (a multi-step plain round: up to plain_steps)."""
         if seconds <= 0:
             return
         key = (self.bucket(batch), speculative)
         old = self.throughput.get(key)
+        per_forward = tokens / max(1, forwards)
         if old is None:
-            self.throughput[key] = [tokens, seconds, 1, batch]
+            self.throughput[key] = [tokens, seconds, 1, batch, per_forward]
             return
         n = old[2] + 1
         self.throughput[key] = [mean_then_ema(old[0], tokens, n, self.tokens_ema),
-                                mean_then_ema(old[1], seconds, n, self.throughput_ema), n, old[3] + batch]
+                                mean_then_ema(old[1], seconds, n, self.throughput_ema), n, old[3] + batch,
+                                mean_then_ema(old[4], per_forward, n, self.tokens_ema)]
 
     def _throughput_rows(self, bucket: int, speculative: bool) -> int:
         """Rows (rounds times their rows) whose outcome the bucket's measurement holds."""
@@ -201,14 +205,16 @@ class CostModel:
 
     def speculation_wins(self, batch: int) -> bool:
         """Speculative rounds measurably yield more tokens/s than plain ones at this bucket, and
-        more tokens per round: a speculative round costs at least a plain one, so one that emits
-        no more than a plain round cannot win, and a measured "win" without it is timing noise
-        (a stalled plain round) that must not turn a useless draft back on."""
+        more tokens per target forward: a speculative forward costs at least a plain one, so one
+        that emits no more than a plain forward cannot win, and a measured "win" without it is
+        timing noise (a stalled plain round) that must not turn a useless draft back on. (Per
+        forward, not per round: a multi-step plain round emits up to plain_steps tokens a row,
+        more than any speculative round, and the override never fired beside them.)"""
         s = self.measured_speedup(batch)
         if s is None or s <= self.win_margin:
             return False
         b = self.bucket(batch)
-        return self.throughput[(b, True)][0] > self.throughput[(b, False)][0]
+        return self.throughput[(b, True)][4] > self.throughput[(b, False)][4]
 
     def throttle(self, batch: int) -> bool:
         """True: plan this round plain (speculation measurably loses at this bucket); every

@@ -374,7 +374,7 @@ class Scheduler:
             if plan.catch_up:
                 seconds += self.cost.draft_seconds(B, draft.draft_steps) - draft_time
             self.cost.observe_throughput(B, drafted and any(draft.num_draft), sum(len(t) for t in verify.tokens),
-                                         seconds)
+                                         seconds, verify.steps)
         done = [s for s in seqs if s.finished]
         for s in done:
             if s in self.running:

@@ -337,8 +337,10 @@ def _trace(sched: Scheduler, rounds: int, hidden_s, step_s: float = 0.05, draft_
         k = plan.draft_batch.num_draft[0]
         draft = DraftOutput(torch.full((1, k), 7), [k], draft_steps=k)
         sched.target_batch(plan, draft)
-        verify = VerifyOutput([[7] * (k + 1)], [k])
-        t = step_s * (1 + 0.05 * k)
+        steps = plan.draft_batch.steps[0] if plan.draft_batch.steps else 1  # a multi-step plain round: steps forwards
+        verify = VerifyOutput([[7] * (k + 1 if k else steps)], [k])
+        verify.steps = steps
+        t = step_s * (1 + 0.05 * k) * steps
         sched.commit(plan, draft, verify, draft_step_s * k, t, t + 0.002 * k + (hidden_s(r) if k else 0.0),
                      drafted=k > 0)
         ks.append(k)
@@ -369,10 +371,13 @@ def test_throughput_safeguard_keeps_speculation_that_wins_and_recovers():
     assert sum(k > 0 for k in ks[300:]) >= 90
 
 
-def test_measured_win_overrides_a_pessimistic_model():
+@pytest.mark.parametrize("plain_steps", [1, 8])
+def test_measured_win_overrides_a_pessimistic_model(plain_steps):
     """The model sees drafting as dear (a draft step reported at 4 target steps) while whole rounds
-    show speculation yielding more tokens/s than plain: rows speculate, not only the model's probes."""
-    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    show speculation yielding more tokens/s than plain: rows speculate, not only the model's probes.
+    Also beside multi-step plain rounds (the service's plain_steps 8), which emit more tokens per
+    round than any speculative round, though not per forward."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4, plain_steps=plain_steps))
     sched.add(_seq(temperature=0))
     ks = _trace(sched, 200, lambda r: 0.0, draft_step_s=0.2)
     assert sched.cost.measured_speedup(1) > 1.5  # (the model's best k >= 1 is short: drafts look dear)
