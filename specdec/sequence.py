@@ -160,8 +160,12 @@ class Sequence:
         return sum(len(f) for f in self.feats)
 
     def add_features(self, start: int, feats) -> None:
-        """Queue the target's features of positions [start, start + n) for the proposer."""
-        if not self.feats or start != self.feat_start + self.num_pending_features:
+        """Queue the target's features of positions [start, start + n) for the proposer; positions
+        fed again (after a taken sibling the target re-feeds its position) replace the queued ones."""
+        end = self.feat_start + self.num_pending_features
+        if self.feats and self.feat_start < start < end:
+            self.feats = [self.pending_features()[1][: start - self.feat_start]]
+        elif not self.feats or start != end:
             self.feat_start, self.feats = start, []  # a re-prefill or a gap: start over from here
         self.feats.append(feats)
         extra = self.num_pending_features - self.MAX_PENDING_FEATURES

@@ -328,3 +328,19 @@ def test_a_grown_draft_starts_as_its_source_and_is_lossless(target, prompts, tin
     assert all(torch.equal(v, again.trained_state()[k]) for k, v in grown.trained_state().items())
     with pytest.raises(ValueError, match="2 decoder layers"):
         make_eagle(target).load_grown(grown.trained_state())
+
+
+def test_features_of_a_re_fed_position_replace_the_queued_ones():
+    """After a taken sibling the target feeds the sibling's position again; when the next round
+    sends nothing to the proposer (plain), the queue must keep the positions before it: a restart
+    there made the EAGLE draft lose its whole context for the rest of the sequence."""
+    from specdec.sampling import SamplingParams
+    from specdec.sequence import Sequence
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    first, again = torch.arange(10.0).reshape(5, 2), -torch.ones(2, 2)
+    s.add_features(0, first)  # positions 0..4
+    s.add_features(4, again)  # position 4 fed again, then 5
+    start, feats = s.pending_features()
+    assert start == 0 and torch.equal(feats, torch.cat([first[:4], again]))
+    s.add_features(9, again)  # a gap: start over there
+    assert s.pending_features()[0] == 9
