@@ -329,9 +329,8 @@ class TargetWorker:
             emitted = tokens[r, : m + 1].tolist()
             taken = has_sib[r] and m == 0 and emitted[0] == sib[r]  # the sibling is the target's token
             st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts (not a sibling)
-            if taken:
+            if taken:  # two tokens, but no accepted draft: the chain's first was rejected (m stays 0)
                 emitted.append(int(logits_rows[r][-1].argmax()))
-                m = 1
                 out.sibling_accepted += 1
             st.tokens.extend(emitted)
             out.tokens[i] += emitted

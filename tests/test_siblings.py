@@ -70,7 +70,9 @@ def test_an_accepted_sibling_emits_what_plain_greedy_emits(target, prompts):
     wrong = (ref[1] + 1) % target.args.vocab_size
     draft = DraftOutput(torch.tensor([[wrong, 3]]), [2], sibling=torch.tensor([ref[1]]))
     out = w.verify(_batch([1], [len(prompts[0])], [ref[:1]], 2), draft)
-    assert out.tokens[0] == ref[1:3] and out.num_accepted[0] == 1 and out.sibling_accepted == 1
+    # two tokens, counted as a taken sibling only: the chain's first draft was rejected (no accepted
+    # draft beside one proposed, which once reported acceptance above the chain's and misled adaptive k)
+    assert out.tokens[0] == ref[1:3] and out.num_accepted[0] == 0 and out.sibling_accepted == 1
     assert len(out.hidden[0]) == 2 and out.hidden_start[0] == len(prompts[0])  # features of ref[0], the sibling
     torch.testing.assert_close(out.hidden[0], torch.stack(feats[:2]), atol=1e-4, rtol=1e-4)
     n = len(prompts[0]) + 3
