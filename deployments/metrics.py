@@ -123,7 +123,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(GENERATED_TOKENS, "counter", "Tokens generated (emitted to sequences) by rounds."),
     MetricSpec(DRAFT_TOKENS, "counter", "Draft tokens proposed for verification."),
     MetricSpec(ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the target."),
-    MetricSpec(LOOKUP_TOKENS, "counter", "Prompt-lookup tokens verified inside multi-step plain rounds."),
+    MetricSpec(LOOKUP_TOKENS, "counter", "Lookup tokens verified inside multi-step plain rounds (prompt lookup, the lookup corpus, and "
+               "the Target replica's own drafter)."),
     MetricSpec(LOOKUP_ACCEPTED_TOKENS, "counter", "Prompt-lookup tokens the target accepted."),
     MetricSpec(DRAFT_FAILURES, "counter", "Draft calls that failed or timed out, by exception type (each turns "
                "its lane's drafts off for draft_backoff_s).", tag_keys=("error",)),
@@ -135,7 +136,8 @@ METRICS: tuple[MetricSpec, ...] = (
     # gauges
     MetricSpec(ACCEPTANCE_RATE, "gauge", "Draft acceptance rate (accepted / proposed), recent window."),
     MetricSpec(MEAN_ACCEPTED_LENGTH, "gauge",
-               "Mean of (accepted + 1) per sequence-round, recent window: tokens per target forward."),
+               "Mean of (accepted + 1) per sequence-round, recent window: tokens per target forward from the "
+               "proposer's drafts (a plain round counts 1; lookups inside it: specdec_lookup_*)."),
     MetricSpec(POSITION_ACCEPTANCE, "gauge",
                "Acceptance rate at each draft position (0 = first draft token), recent window.",
                tag_keys=("position",)),

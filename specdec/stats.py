@@ -5,7 +5,9 @@ Definitions (used everywhere): a *row-round* is one sequence in one round. Per r
 target emits accepted + 1 tokens (the last one recovered or bonus), so
 - acceptance rate      = accepted / proposed;
 - mean accepted length = emitted / row-rounds = mean of (accepted + 1), rounds without drafts
-  counting 1 — the tokens each target forward yields per sequence;
+  counting 1: the tokens a target forward yields per sequence from the proposer's drafts. A
+  multi-step plain round books a row-round per token: the tokens its prompt lookups and the
+  Target replica's own drafter find are counted apart (`lookup_*`, `target_draft*`);
 - per-position acceptance[j] = accepted at draft position j / proposed at position j.
 """
 from __future__ import annotations

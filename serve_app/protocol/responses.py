@@ -30,9 +30,9 @@ FinishReason = Literal["stop", "length"]
 class SpeculativeUsage(BaseModel):
     """Extension under `usage.speculative`: how speculation went for this request."""
 
-    proposed_tokens: int = Field(description="Draft tokens proposed to the target (tokens found by prompt lookup in plain rounds are not counted).")
+    proposed_tokens: int = Field(description="Draft tokens the proposer proposed to the target (tokens verified inside multi-step plain rounds, found by prompt lookup or by the Target replica's own copy of the draft, are not counted).")
     accepted_tokens: int = Field(description="Draft tokens the target accepted, among those returned.")
-    rounds: int = Field(description="Target forward passes that generated this request's tokens.")
+    rounds: int = Field(description="Target forward passes that generated this request's tokens, summed over its choices (each counts its own).")
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
