@@ -204,7 +204,7 @@ def resolve_extra(spec: str | os.PathLike) -> dict:
 
 def fast_dtype(device: str = "cpu") -> str:
     """The dtype to run on `device` when the user does not choose: bfloat16 on CPUs with native
-    bfloat16 instructions (avx512_bf16 or AMX: there a bf16 step is ~1.7x faster than a float32
+    bfloat16 instructions (avx512_bf16 or AMX: there a bf16 step is ~1.2-1.35x faster than a float32
     one and a 5-position verification costs about one step, BENCHMARKS.md), where
     position-invariant attention keeps bf16 speculative greedy output equal to bf16 plain greedy
     output (specdec/model.py, tested); float32 elsewhere: on CPUs without them oneDNN emulates
