@@ -645,3 +645,28 @@ def test_dashboard_configmap_in_sync():
     cm = yaml.safe_load(out.read_text(encoding="utf-8"))
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"][gen.DATA_KEY]) == json.loads(gen.DASHBOARD.read_text(encoding="utf-8"))
+
+
+def test_the_readmes_gpu_config_builds_for_its_example_target(tmp_path, tiny_dir):
+    """k8s/README.md's gpu_config.yaml (one machine, 2 GPUs) with a config-only stand-in for its
+    example target, Qwen2.5-7B (its real dimensions; the tiny tokenizer): the KV budget holds its
+    slots x max_model_len (without kv_cache_memory_gib the build refused it)."""
+    import json
+    import re
+    import shutil
+    readme = (ROOT / "k8s" / "README.md").read_text()
+    block = re.search(r"```yaml\n(applications:.*?)```", readme, re.S).group(1)
+    args = yaml.safe_load(block)["applications"][0]["args"]
+    target = tmp_path / "qwen7b"
+    target.mkdir()
+    for f in tiny_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, target / f.name)
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
+        "max_position_embeddings": 32768, "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False}))
+    a = _app_args_cls()(**{**args, "target": str(target)})
+    a.validate_models()
+    assert a.max_model_len == args["max_model_len"]
