@@ -98,9 +98,10 @@ EXPOSE 8000 8265 8080
 # container (`docker exec <container> ray get-auth-token` prints it for the dashboard/CLI).
 # HTTP on :8000 needs no token. SIGINT lets `serve run` shut the application down cleanly.
 # Inside the container Serve must listen on all interfaces, or a published port reaches nothing:
-# a config that binds loopback (serve_config.yaml, safe on a workstation) is served from a copy
-# that binds 0.0.0.0, and `serve run module:app` defaults to 0.0.0.0 here (RAY_SERVE_DEFAULT_HTTP_HOST).
+# a config whose http_options.host is loopback (127.0.0.1, localhost, ::1: serve_config.yaml, safe
+# on a workstation) is served from a copy (YAML-parsed) that binds 0.0.0.0, and
+# `serve run module:app` defaults to 0.0.0.0 here (RAY_SERVE_DEFAULT_HTTP_HOST).
 # Publish the port on the host's loopback (-p 127.0.0.1:8000:8000) unless the API requires a key.
 ENV RAY_SERVE_DEFAULT_HTTP_HOST=0.0.0.0
 STOPSIGNAL SIGINT
-CMD ["bash", "-c", "set -e; export RAY_AUTH_MODE=\"${RAY_AUTH_MODE:-token}\"; if [ \"$RAY_AUTH_MODE\" = token ]; then ray get-auth-token --generate >/dev/null; fi; ray start --head --dashboard-host=0.0.0.0 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats; cfg=\"$SERVE_CONFIG\"; if grep -qE '^[[:space:]]*host:[[:space:]]*127[.]0[.]0[.]1[[:space:]]*$' \"$cfg\"; then sed -E 's/^([[:space:]]*)host:[[:space:]]*127[.]0[.]0[.]1[[:space:]]*$/\\1host: 0.0.0.0/' \"$cfg\" > /tmp/serve_config.yaml; cfg=/tmp/serve_config.yaml; fi; exec serve run --address=auto \"$cfg\""]
+CMD ["bash", "-c", "set -e; export RAY_AUTH_MODE=\"${RAY_AUTH_MODE:-token}\"; if [ \"$RAY_AUTH_MODE\" = token ]; then ray get-auth-token --generate >/dev/null; fi; ray start --head --dashboard-host=0.0.0.0 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats; cfg=$(python -c 'import sys, yaml; p = sys.argv[1]; c = yaml.safe_load(open(p)) or {}; h = c.get(\"http_options\") or {}; loop = str(h.get(\"host\")) in (\"127.0.0.1\", \"localhost\", \"::1\"); c[\"http_options\"] = {**h, \"host\": \"0.0.0.0\"}; loop and yaml.safe_dump(c, open(\"/tmp/serve_config.yaml\", \"w\"), sort_keys=False); print(\"/tmp/serve_config.yaml\" if loop else p)' \"$SERVE_CONFIG\"); exec serve run --address=auto \"$cfg\""]

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -261,11 +262,18 @@ def test_the_default_command_serves_on_all_interfaces(tmp_path):
     for f in stubs.iterdir():
         f.chmod(0o755)
     config = ROOT / "serve_config.yaml"
-    assert "host: 127.0.0.1" in config.read_text()  # loopback on a workstation
-    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "SERVE_CONFIG": str(config),
-           "OUT": str(tmp_path / "served.yaml")}
-    subprocess.run(argv, env=env, check=True, timeout=30)
-    served = (tmp_path / "served.yaml").read_text()
-    assert served == config.read_text().replace("host: 127.0.0.1", "host: 0.0.0.0")
+    ours = yaml.safe_load(config.read_text())
+    assert ours["http_options"]["host"] == "127.0.0.1"  # loopback on a workstation
+    variants = {"ours": config.read_text(),  # and loopback however a user's config spells it
+                "comment": config.read_text().replace("host: 127.0.0.1", "host: 127.0.0.1   # local only"),
+                "quoted": config.read_text().replace("host: 127.0.0.1", 'host: "127.0.0.1"'),
+                "localhost": config.read_text().replace("host: 127.0.0.1", "host: localhost")}
+    for name, text in variants.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+        env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}",
+               "SERVE_CONFIG": str(tmp_path / f"{name}.yaml"), "OUT": str(tmp_path / "served.yaml")}
+        subprocess.run(argv, env=env, check=True, timeout=30)
+        served = yaml.safe_load((tmp_path / "served.yaml").read_text())
+        assert served == {**ours, "http_options": {**ours["http_options"], "host": "0.0.0.0"}}, name
     envs = dict(arg.split("=", 1) for instr, arg in _instructions() if instr == "ENV" and "=" in arg)
     assert envs.get("RAY_SERVE_DEFAULT_HTTP_HOST") == "0.0.0.0"  # `serve run module:app` too
