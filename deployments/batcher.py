@@ -566,7 +566,9 @@ class Batcher:
     def _record_load(self) -> None:
         """The live queue, running and speculating counts into the metrics (gauges, autoscaling)."""
         running = [s for l in self.lanes for s in l.scheduler.running]
-        on = sum(1 for s in running if s.adaptive and s.adaptive.off_rounds == 0)
+        now = time.monotonic()  # a lane whose drafts are off (draft_backoff_s) plans k but drafts nothing
+        on = sum(1 for l in self.lanes if now >= l.draft_down_until
+                 for s in l.scheduler.running if s.adaptive and s.adaptive.off_rounds == 0)
         self.metrics.record_queue(len(self.queue), len(running))
         self.metrics.record_speculation(on, len(running) - on)
 

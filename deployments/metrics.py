@@ -125,7 +125,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(ACCEPTED_TOKENS, "counter", "Draft tokens accepted by the target."),
     MetricSpec(LOOKUP_TOKENS, "counter", "Lookup tokens verified inside multi-step plain rounds (prompt lookup, the lookup corpus, and "
                "the Target replica's own drafter)."),
-    MetricSpec(LOOKUP_ACCEPTED_TOKENS, "counter", "Prompt-lookup tokens the target accepted."),
+    MetricSpec(LOOKUP_ACCEPTED_TOKENS, "counter", "Lookup tokens the target accepted."),
     MetricSpec(DRAFT_FAILURES, "counter", "Draft calls that failed or timed out, by exception type (each turns "
                "its lane's drafts off for draft_backoff_s).", tag_keys=("error",)),
     MetricSpec(REQUESTS_STARTED, "counter", "Requests admitted (an HTTP request, whatever its prompts and n)."),
@@ -249,7 +249,7 @@ class RouterMetrics:
         if not (len(num_draft) == len(num_accepted) == len(num_emitted)):
             raise ValueError("num_draft, num_accepted and num_emitted must have one entry per sequence")
         m = self._m
-        proposed = accepted = emitted = spec_rows = 0
+        proposed = accepted = emitted = spec_rows = row_rounds = 0
         pos_p: list[int] = []
         pos_a: list[int] = []
         k_hist = m[NUM_DRAFT]
@@ -258,7 +258,10 @@ class RouterMetrics:
             proposed += d
             accepted += a
             emitted += int(e)
-            k_hist.observe(d)
+            n = int(e) if d == 0 and e > 1 else 1  # a multi-step plain row: a row-round per token, as SpecStats
+            row_rounds += n
+            for _ in range(n):
+                k_hist.observe(d)
             if d:
                 spec_rows += 1
                 if len(pos_p) < d:
@@ -285,7 +288,7 @@ class RouterMetrics:
 
         now = self._clock()
         w = self._window
-        w.add(now, len(num_draft), proposed, accepted, emitted, spec_rows, pos_p, pos_a)
+        w.add(now, row_rounds, proposed, accepted, emitted, spec_rows, pos_p, pos_a)
         w.evict(now)
         self._publish_window()
 
@@ -332,8 +335,7 @@ class RouterMetrics:
             self._last_acceptance = w.accepted / w.proposed
             m[ACCEPTANCE_RATE].set(self._last_acceptance)
         m[NUM_DRAFT_MEAN].set(w.proposed / w.spec_rows if w.spec_rows else 0.0)
-        if w.row_rounds:
-            m[MEAN_ACCEPTED_LENGTH].set((w.accepted + w.row_rounds) / w.row_rounds)
+        m[MEAN_ACCEPTED_LENGTH].set((w.accepted + w.row_rounds) / w.row_rounds if w.row_rounds else 0.0)
         gauge = m[POSITION_ACCEPTANCE]
         while len(self._pos_tags) < len(w.pos_proposed):
             self._pos_tags.append({"position": str(len(self._pos_tags))})
@@ -349,6 +351,7 @@ class RouterMetrics:
         now = self._clock()
         w = self._window
         w.evict(now)
+        self._publish_window()  # (Serve polls this: an idle router's gauges empty with its window)
         return {
             "acceptance_rate": w.accepted / w.proposed if w.proposed else self._last_acceptance,
             "mean_accepted_length": (w.accepted + w.row_rounds) / w.row_rounds if w.row_rounds else 0.0,

@@ -359,3 +359,68 @@ async def test_drafts_of_rows_the_target_did_not_verify_are_not_counted_as_rejec
     assert b.resyncs["target"] > 0  # rows did come back unverified
     assert b.stats.proposed > 0 and b.stats.accepted == b.stats.proposed
     assert fakes[M.DRAFT_TOKENS].total() == fakes[M.ACCEPTED_TOKENS].total() == b.stats.proposed
+
+
+def test_a_multi_step_plain_row_counts_a_row_round_per_token_as_spec_stats_does(fakes):
+    """A plain round of 8 steps yields 8 tokens in 8 forwards: mean accepted length 1 for it, as in
+    /stats (SpecStats), not 8 tokens booked as one forward's, which overstated the gauge beside
+    speculative rounds."""
+    from specdec.stats import SpecStats
+    rm, stats = M.RouterMetrics(clock=Clock()), SpecStats()
+    rm.record_round(2, [3, 0], [2, 0], [3, 8], 0.004, 0.02, 0.03)
+    stats.observe_row(3, 2, 3)
+    for _ in range(8):
+        stats.observe_row(0, 0, 1)  # (Scheduler.commit books a multi-step row so)
+    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == pytest.approx(stats.mean_accepted_length) == pytest.approx(11 / 9)
+    assert sorted(fakes[M.NUM_DRAFT].values()) == [0] * 8 + [3]
+
+
+def test_window_gauges_empty_when_the_router_goes_idle(fakes):
+    """Serve polls the autoscaling stats: an idle router's window empties, and its gauges with it
+    (they kept the last busy window's values for as long as no round came)."""
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    rm.record_round(1, [4], [4], [5], 0.01, 0.02, 0.03)
+    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == 5.0
+    clock.t += 3600
+    rm.autoscaling_stats()
+    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == 0.0 and fakes[M.NUM_DRAFT_MEAN].last() == 0.0
+    assert fakes[M.POSITION_ACCEPTANCE].last(position="0") == 0.0
+
+
+@pytest.mark.asyncio
+async def test_rows_of_a_lane_whose_drafts_are_down_do_not_count_as_speculating(fakes, tiny_dir):
+    """While the Draft replicas fail (the lane backs off draft_backoff_s) rows plan k > 0 but draft
+    nothing: the speculating fraction AppPolicy sizes the Target by must say 0, not ~1."""
+    import asyncio
+
+    import torch
+
+    from deployments.batcher import Batcher
+    from fake_handles import FakeTarget, Method
+    from specdec.loader import load_model
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    class DeadDraft:
+        def __init__(self):
+            async def fail(*a, **kw):
+                raise ConnectionError("draft replica unavailable")
+            self.propose, self.release = Method(fail), Method(fail)
+
+        def options(self, **_):
+            return self
+
+    worker = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128)
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 128, "batch_wait_timeout_s": 0,
+                 "adaptive": True, "num_speculative_tokens": 4, "max_batch_size": 4, "max_lanes": 1,
+                 "draft_backoff_s": 60.0}, DeadDraft(), FakeTarget(worker))
+    seqs = b.submit([[5, 6, 7, 8], [9, 10, 11]], [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)])
+    fractions = []
+    while not all(s.finished for s in seqs):
+        await asyncio.sleep(0.01)
+        if b.lanes and b.lanes[0].scheduler.running:
+            fractions.append(b.record_autoscaling_stats()[M.ROUTER_SPECULATING_FRACTION])
+    for s in seqs:
+        b.finish(s)
+    assert b.stats.proposed == 0 and b.draft_failures and fractions and max(fractions) == 0.0
