@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.common import MaxModelLen, replica_id
 from deployments.target import TargetFault
-from deployments.tracing import ensure_provider, inject, span
+from deployments.tracing import ensure_provider, inject, mark_error, span
 from specdec.loader import load_tokenizer
 from specdec.metadata import DraftOutput
 from specdec.sampling import SamplingParams
@@ -393,7 +393,8 @@ class Batcher:
                   request_ids=",".join(str(s.meta.get("request_id", s.seq_id)) for s in plan.seqs)) as sp:
             plan.draft_batch.trace_context = inject()
             r = await run_round_async(steps, first, propose, verify)
-            if r is None:
+            if r is None:  # the target call failed, and with it the lane's requests
+                mark_error(sp, self.errors.get(plan.seqs[0].seq_id) or RequestFailed("target call failed"))
                 return
             sp.set(proposed=sum(r.judged_drafts), accepted=sum(r.verify.num_accepted), emitted=sum(r.emitted),
                    bonus=sum(1 for n, m in zip(r.draft.num_draft, r.verify.num_accepted) if n and m == n))
@@ -508,7 +509,7 @@ class Batcher:
                 if release:  # the cancelled call may never have run there
                     self._release_later(self.target, lane.target_pin, release)
                 self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
-                                                    f"{self.cfg.retry_deadline_s:.0f}s", 503))
+                                                    f"{self.cfg.retry_deadline_s:g}s", 503))
                 return None
             except (RayActorError, ActorUnavailableError, TargetFault) as e:
                 # TargetFault: a replica whose tensor-parallel group broke (a worker died); it

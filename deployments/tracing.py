@@ -81,12 +81,24 @@ class _Span:
         return getattr(self.span, name)
 
 
+def mark_error(sp, error: BaseException) -> None:
+    """Record `error` on span `sp` and set its status to ERROR (a failed request, a failed round)."""
+    sp.record_exception(error)
+    sp.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+
+
 def start_span(name: str, carrier: Mapping[str, str] | None = None, **attrs) -> tuple[Any, Context]:
     """A span the caller ends, child of `carrier`'s context (an incoming `traceparent`), else of
-    the current one (e.g. Serve's request span), else a root; and the Context that holds it (give
-    it to work done for this span: it is what `inject(ctx)` sends on)."""
+    the current span (e.g. Serve's request span), else a root; but of the current span when that
+    is already in the carrier's trace (Serve's span under the client's: nested, not its sibling).
+    Returns it and the Context that holds it (give it to work done for this span: it is what
+    `inject(ctx)` sends on)."""
     ensure_provider()
-    parent = _extract(carrier or {}, context=otel_context.get_current())
+    current = otel_context.get_current()
+    parent = _extract(carrier or {}, context=current)
+    here = trace.get_current_span(current).get_span_context()
+    if here.is_valid and trace.get_current_span(parent).get_span_context().trace_id == here.trace_id:
+        parent = current
     sp = _tracer.start_span(name, context=parent, attributes=attrs or None)
     return sp, trace.set_span_in_context(sp, parent)
 

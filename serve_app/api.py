@@ -282,8 +282,12 @@ class OpenAIIngress:
         if req.stream:  # (ended by the generator, or by the response if the client left before it ran)
             return _Stream(self._stream(req, out, seqs, prompts, end), end, media_type="text/event-stream")
         try:
-            async for _ in self._watch(seqs):
-                pass
+            try:
+                async for _ in self._watch(seqs):
+                    pass
+            except RequestFailed as e:
+                end(e)
+                raise
             usage = self._usage(seqs, prompts)
             span.set_attribute("completion_tokens", usage.completion_tokens)
             return JSONResponse(wire(out.response([s.text for s in seqs], [_finish(s) for s in seqs], usage)))
@@ -295,12 +299,14 @@ class OpenAIIngress:
         span, once however often it is called."""
         ended = False
 
-        def end() -> None:
+        def end(error: BaseException | None = None) -> None:
             nonlocal ended
             if not ended:
                 ended = True
                 for s in seqs:
                     self.batcher.finish(s)
+                if error is not None:
+                    tracing.mark_error(span, error)
                 span.end()
         return end
 
@@ -317,6 +323,7 @@ class OpenAIIngress:
                         await self.batcher.wait(s)  # a failure that came while the client read: raised here
                         yield sse(out.finish(i, _finish(s)))
             except RequestFailed as e:
+                end(e)
                 yield sse(APIError(str(e), status=e.status).body())
                 yield SSE_DONE
                 return

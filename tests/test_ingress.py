@@ -196,3 +196,33 @@ async def test_a_wrong_method_gets_the_allow_header(ingress):
     async with _client(app) as c:
         r = await c.get("/v1/completions")
     assert r.status_code == 405 and r.headers.get("allow") == "POST" and "error" in r.json()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_request_is_an_error_in_its_trace(ingress):
+    """A request whose lane fails ends its `router.request` span with ERROR status and the
+    exception (a stream's HTTP status is 200, so the trace is where an operator sees it), and so
+    does the round that failed."""
+    from opentelemetry.trace import StatusCode
+
+    from deployments import tracing
+    from serve_app import telemetry as T
+    app, ing, target = ingress
+    target.fail_from = 1
+    T.setup_tracing(T.TracingConfig(exporter="memory"))
+    try:
+        async with _client(app) as c:
+            plain = await c.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 4})
+            streamed = await c.post("/v1/completions", json={**BODY, "max_tokens": 4})
+        assert plain.status_code == 500 and "error" in streamed.text
+        await _idle(ing.batcher)
+        spans = T._memory_exporter.get_finished_spans()
+        requests = [s for s in spans if s.name == "router.request"]
+        rounds = [s for s in spans if s.name == "router.round"]
+        assert len(requests) == 2 and rounds
+        assert all(s.status.status_code == StatusCode.ERROR for s in requests + rounds)
+    finally:
+        if getattr(T._provider, "_specdec_owned", False):
+            T._provider.shutdown()
+        T._config, T._provider, T._memory_exporter = None, None, None
+        tracing.use_tracer(None)

@@ -194,6 +194,24 @@ def test_a_request_span_is_a_child_of_the_current_span_without_a_traceparent():
         joined.end()
     assert req.parent.span_id == outer.get_span_context().span_id
     assert joined.parent.span_id == 0xb7ad6b7169203331  # a client's traceparent still wins
+    # Serve's span already under the client's traceparent (its proxy propagated it): nested under it
+    with tracing.span("serve.request", incoming) as serve_span:
+        nested, _ = tracing.start_span("router.request", incoming)
+        nested.end()
+    assert nested.parent.span_id == serve_span.get_span_context().span_id
+
+
+def test_a_failed_request_or_round_is_an_error_in_its_trace():
+    from opentelemetry.trace import StatusCode
+    T.setup_tracing(TracingConfig(exporter="memory"))
+    sp, _ = tracing.start_span("router.request")
+    tracing.mark_error(sp, RuntimeError("target unavailable"))
+    sp.end()
+    with tracing.span("router.round") as rnd:
+        tracing.mark_error(rnd, RuntimeError("target unavailable"))
+    spans = T._memory_exporter.get_finished_spans()
+    assert [s.status.status_code for s in spans] == [StatusCode.ERROR] * 2
+    assert all(s.events[0].name == "exception" for s in spans)
 
 
 def test_flush_exports_what_a_batch_processor_still_holds(tmp_path):
