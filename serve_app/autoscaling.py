@@ -210,10 +210,12 @@ class _DeploymentPolicy(_Policy):
 
     key: str
     units: Callable[["AutoscalingContext", AutoscalingParams], float | None]
+    serves_requests = True  # never 0 replicas while requests are in flight (stats lag ~10 s behind them)
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict]:
         state = dict(ctx.policy_state or {})
-        return decide(ctx, self.units(ctx, self.params), self.params, state, self.key), state
+        floor = 1 if self.serves_requests and (ctx.total_num_requests or 0) > 0 else 0
+        return decide(ctx, self.units(ctx, self.params), self.params, state, self.key, floor=floor), state
 
 
 class RouterPolicy(_DeploymentPolicy):
@@ -234,6 +236,7 @@ class DraftPolicy(_DeploymentPolicy):
     with acceptance."""
 
     key, units = "draft", staticmethod(_draft_units)
+    serves_requests = False  # lanes run plain rounds without drafts
 
 
 def _weighted_mean(values: list[float] | None, weights: list[float] | None) -> float | None:
@@ -271,13 +274,15 @@ class AppPolicy(_Policy):
                                         _metric(r_ctx, ROUTER_DRAFT_TOKENS_PER_S))
             spec_frac = _weighted_mean(_metric(r_ctx, ROUTER_SPECULATING_FRACTION),
                                        _metric(r_ctx, ROUTER_ONGOING_REQUESTS))
-            decisions[r_id] = decide(r_ctx, _router_units(r_ctx, p), p, states[r_id], "router")
+            decisions[r_id] = decide(r_ctx, _router_units(r_ctx, p), p, states[r_id], "router",
+                                     floor=1 if (r_ctx.total_num_requests or 0) > 0 else 0)
             # Speculation collapse, with hysteresis; judged only while drafts are being requested.
             collapsed = bool(states[r_id].get(f"{_STATE}acceptance_collapsed", False))
             if acceptance is not None and (draft_req or 0.0) > 0:
                 collapsed = acceptance < p.acceptance_low or (collapsed and acceptance <= p.acceptance_high)
             states[r_id][f"{_STATE}acceptance_collapsed"] = collapsed
 
+        serving = (ongoing or 0.0) > 0 or (r_ctx is not None and (r_ctx.total_num_requests or 0) > 0)
         t_id, t_ctx = by_name.get(p.target_deployment, (None, None))
         if t_ctx is not None:
             scale = 1.0
@@ -286,11 +291,11 @@ class AppPolicy(_Policy):
                          / expected_tokens_per_forward(p.reference_acceptance, p.reference_k, 1.0))
             units = _target_units(t_ctx, p, extra_sequences=ongoing or 0.0, tokens_per_s=r_tps,
                                   capacity_scale=scale)
-            decisions[t_id] = decide(t_ctx, units, p, states[t_id], "target")
+            busy = serving or (t_ctx.total_num_requests or 0) > 0  # (stats lag ~10 s behind requests)
+            decisions[t_id] = decide(t_ctx, units, p, states[t_id], "target", floor=1 if busy else 0)
 
         d_id, d_ctx = by_name.get(p.draft_deployment, (None, None))
         if d_ctx is not None:
-            serving = (ongoing or 0.0) > 0 or (r_ctx is not None and (r_ctx.total_num_requests or 0) > 0)
             floor = min(p.draft_floor_while_serving, d_ctx.capacity_adjusted_max_replicas) if serving else 0
             units = 0.0 if collapsed else _draft_units(d_ctx, p, requested_tokens_per_s=draft_req)
             decisions[d_id] = decide(d_ctx, units, p, states[d_id], "draft", floor=floor)

@@ -181,6 +181,37 @@ def test_policy_state_preserves_foreign_keys():
     assert state["__ray_internal"] == 7 and "specdec.target.low_since" in state
 
 
+def test_no_zero_replicas_while_requests_are_in_flight():
+    """With min_replicas 0, the first tick of new traffic still sees the idle stats (replicas push
+    them every ~10 s): requests in flight keep one Target and one Router. (Ray holds a replica
+    while its own downscale delay runs; the policy's timer had run out, and the first busy tick
+    answered 0.)"""
+    for policy, name, key in ((A.TargetPolicy, "Target", A.TARGET_TOKENS_PER_S),
+                              (A.RouterPolicy, "Router", A.ROUTER_ONGOING_REQUESTS)):
+        pol, state = policy(**P.model_dump()), {}
+        for i in range(20):  # idle, Ray still holding the replica
+            n, state = pol(make_ctx(name, replicas=1, min_replicas=0, totals={key: 0.0}, state=state, now=T0 + 5 * i))
+        assert n == 0  # what the policy asks for an idle deployment
+        n, state = pol(make_ctx(name, replicas=1, min_replicas=0, totals={key: 0.0}, state=state, now=T0 + 100,
+                                total_requests=6))
+        assert n == 1, name
+    pol, state = A.DraftPolicy(**P.model_dump()), {}  # a Draft may go: lanes run plain rounds without drafts
+    for i in range(20):
+        n, state = pol(make_ctx("Draft", replicas=1, min_replicas=0, totals={A.DRAFT_TOKENS_PER_S: 0.0},
+                                state=state, now=T0 + 5 * i, total_requests=3))
+    assert n == 0
+
+
+def test_app_policy_keeps_a_target_while_requests_are_in_flight():
+    sim = AppSim(target=1)
+    sim.bounds["Target"] = {"min_replicas": 0}
+    for i in range(20):
+        sim.step(T0 + 5 * i, router_stats(ongoing=0, tps=0, draft_tps=0))
+        sim.n["Target"] = 1  # Ray still holding it
+    sim.step(T0 + 100, router_stats(ongoing=0, tps=0, draft_tps=0), router_requests=5)  # all stats stale
+    assert sim.n["Target"] == 1 and sim.n["Router"] >= 1
+
+
 # --- application level ----------------------------------------------------------------------------
 
 class AppSim:
@@ -196,12 +227,12 @@ class AppSim:
         self.history: list[dict] = []
 
     def step(self, now: float, router: tuple[dict, dict], target: dict | None = None,
-             draft: dict | None = None):
+             draft: dict | None = None, router_requests: float = 0.0):
         router, router_means = router
         ctxs = {
             "Router": make_ctx("Router", replicas=self.n["Router"], totals=router, means=router_means,
                                state=self.state["Router"], now=now, last_up=self.last_up["Router"],
-                               **self.bounds["Router"]),
+                               total_requests=router_requests, **self.bounds["Router"]),
             "Target": make_ctx("Target", replicas=self.n["Target"], totals=target,
                                state=self.state["Target"], now=now, last_up=self.last_up["Target"],
                                **self.bounds["Target"]),
