@@ -121,14 +121,14 @@ class _RequestTally:
     left: int  # sequences not finished yet
     prompt_tokens: int  # each prompt once
     completion_tokens: int = 0
-    reason: str = "stop"  # abort if any was aborted, else length if any hit its limit, else stop
+    reason: str = "stop"  # error if any failed, else abort if any was aborted, else length if any hit its limit, else stop
 
-    def add(self, seq: Sequence) -> bool:
-        """Count a finished sequence; whether it was the request's last."""
+    def add(self, seq: Sequence, failed: bool = False) -> bool:
+        """Count a finished sequence (`failed`: the server failed it); whether it was the request's last."""
         self.left -= 1
         self.completion_tokens += seq.num_output
-        rank = ("stop", "length", "abort")
-        r = seq.finish_reason if seq.finish_reason in rank else "abort"
+        rank = ("stop", "length", "abort", "error")
+        r = "error" if failed else seq.finish_reason if seq.finish_reason in rank else "abort"
         self.reason = max(self.reason, r, key=rank.index)
         return self.left == 0
 
@@ -266,7 +266,7 @@ class Batcher:
         ev.set()  # wake a waiter that is still parked on it
         self.errors.pop(seq.seq_id, None)
         tally = self.requests.get(seq.meta.get("group"))
-        if tally is not None and tally.add(seq):  # its request's last sequence
+        if tally is not None and tally.add(seq, seq.meta.get("failed", False)):  # its request's last sequence
             del self.requests[seq.meta.get("group")]
             self.metrics.record_request_end(tally.reason, tally.prompt_tokens, tally.completion_tokens)
             self._record_load()
@@ -343,6 +343,7 @@ class Batcher:
         for s in list(lane.scheduler.running) + list(lane.scheduler.waiting):
             lane.scheduler.abort(s.seq_id)
             self.errors[s.seq_id] = err
+            s.meta["failed"] = True  # (the request's metrics: error, not a client's abort)
             self._notify(s)
 
     def _notify(self, seq: Sequence) -> None:

@@ -129,8 +129,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(DRAFT_FAILURES, "counter", "Draft calls that failed or timed out, by exception type (each turns "
                "its lane's drafts off for draft_backoff_s).", tag_keys=("error",)),
     MetricSpec(REQUESTS_STARTED, "counter", "Requests admitted (an HTTP request, whatever its prompts and n)."),
-    MetricSpec(REQUESTS_FINISHED, "counter", "Requests finished, by finish reason (of several choices: abort if "
-               "any was aborted, else length if any hit its limit, else stop).", tag_keys=("finish_reason",)),
+    MetricSpec(REQUESTS_FINISHED, "counter", "Requests finished, by finish reason (of several choices: error if "
+               "the server failed any (a 5xx, or an error event in a stream), else abort if any was aborted "
+               "(a client gone), else length if any hit its limit, else stop).", tag_keys=("finish_reason",)),
     MetricSpec(PROMPT_TOKENS, "counter", "Prompt tokens of finished requests (each prompt once, whatever n)."),
     MetricSpec(COMPLETION_TOKENS, "counter", "Completion tokens of finished requests."),
     # gauges

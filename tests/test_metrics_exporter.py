@@ -424,3 +424,29 @@ async def test_rows_of_a_lane_whose_drafts_are_down_do_not_count_as_speculating(
     for s in seqs:
         b.finish(s)
     assert b.stats.proposed == 0 and b.draft_failures and fractions and max(fractions) == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_request_the_server_failed_is_finished_as_error_not_abort(fakes, tiny_dir):
+    """A client that hung up and a request the server failed (5xx) read apart in specdec_requests."""
+    import asyncio
+
+    import torch
+
+    from deployments.batcher import Batcher, RequestFailed
+    from fake_handles import FakeTarget
+    from specdec.loader import load_model
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    target = FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128), fail_from=1)
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 128, "batch_wait_timeout_s": 0},
+                None, target)
+    (s,) = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    with pytest.raises(RequestFailed):
+        while not s.finished:
+            await b.wait(s)
+    b.finish(s)
+    assert fakes[M.REQUESTS_FINISHED].total(finish_reason="error") == 1
+    assert fakes[M.REQUESTS_FINISHED].total(finish_reason="abort") == 0
+    await asyncio.sleep(0)
