@@ -358,7 +358,7 @@ class Scheduler:
         self.stats.target_drafted += verify.target_drafted
         self.stats.target_draft_accepted += verify.target_draft_accepted
         # wall times as the loop paid them (in the service they include the deployment hops)
-        if not plan.prefill and plan.draft_batch.steps and verify.steps > 1:
+        if not plan.prefill and not unknown_t and plan.draft_batch.steps and verify.steps > 1:
             on = bool(plan.draft_batch.lookup) and any(plan.draft_batch.lookup)
             self.cost.lookups.observe(len(seqs), on, target_time / verify.steps,
                                       self._full_rows(plan, verify) if on and verify.lookup_rows else None)
@@ -366,7 +366,7 @@ class Scheduler:
         # rounds pays the draft's catch-up on their tokens (at 16 rows, 55-75 ms against 4-6 ms of
         # a drafting round after a drafting one): a cost of switching, not of speculating, so the
         # draft's step cost skips it and the safeguard prices its draft steps at the steady cost.
-        if not plan.prefill:
+        if not plan.prefill and not unknown_t:  # (rows the target did not hold cost it nothing and emit nothing)
             B = len(seqs)
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,
                               target_time / verify.steps, B, catch_up=plan.catch_up)  # t(B, K): per forward

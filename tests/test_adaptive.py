@@ -499,3 +499,22 @@ def test_lookup_gain_leans_on_the_workload_until_a_row_has_its_own():
     g.observe_row(forwards=100, hits=10)
     assert g.gain(0, 0) == pytest.approx(0.1)  # a new row: the workload's recent gain
     assert g.gain(30, 36) == pytest.approx((30 + 0.4) / 40)  # a row with its own evidence
+
+
+def test_a_round_whose_rows_the_target_did_not_hold_measures_nothing():
+    """Rows the target did not hold (out of slots, a restarted replica) come back at once with no
+    tokens: such a round is no measurement of a forward's cost or of tokens/s (it priced a forward
+    near zero and dragged the safeguard's tokens/s down)."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=4))
+    sched.add(_seq(temperature=0))
+    _trace(sched, 30, lambda r: 0.0)
+    cost = sched.cost
+    before = (dict(cost.target), {k: list(v) for k, v in cost.throughput.items()}, cost.rounds)
+    plan = sched.plan()
+    k = plan.draft_batch.num_draft[0]
+    draft = DraftOutput(torch.full((1, k), 7), [k], draft_steps=k)
+    sched.target_batch(plan, draft)
+    verify = VerifyOutput([[]], [0])
+    verify.unknown = [0]
+    sched.commit(plan, draft, verify, 0.001 * k, 0.001, 0.003, drafted=k > 0)
+    assert (dict(cost.target), {k: list(v) for k, v in cost.throughput.items()}, cost.rounds) == before
