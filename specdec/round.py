@@ -84,10 +84,14 @@ def run_round(scheduler: Scheduler, propose: Callable[[RoundPlan], tuple[DraftOu
     steps = round_steps(scheduler)
     try:
         call = next(steps)
-        while True:
-            call = steps.send(propose(call.plan) if isinstance(call, Propose) else verify(call.plan, call.draft))
     except StopIteration as done:
         return done.value
+    while True:
+        answer = propose(call.plan) if isinstance(call, Propose) else verify(call.plan, call.draft)
+        try:  # (only the round's own end: a StopIteration out of a call is that call's error)
+            call = steps.send(answer)
+        except StopIteration as done:
+            return done.value
 
 
 async def run_round_async(steps: Steps, first: Call,
@@ -97,9 +101,9 @@ async def run_round_async(steps: Steps, first: Call,
     """The rest of a round whose first call (`next(steps)`) the caller already took, so that it
     could open a span over the planned batch; the calls are awaited."""
     call = first
-    try:
-        while True:
-            call = steps.send(await (propose(call.plan) if isinstance(call, Propose)
-                                     else verify(call.plan, call.draft)))
-    except StopIteration as done:
-        return done.value
+    while True:
+        answer = await (propose(call.plan) if isinstance(call, Propose) else verify(call.plan, call.draft))
+        try:  # (only the round's own end: a StopIteration out of a call is that call's error)
+            call = steps.send(answer)
+        except StopIteration as done:
+            return done.value

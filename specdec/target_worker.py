@@ -148,6 +148,7 @@ class TargetWorker:
             rooms = [self._room(batch, i, st, len(out.tokens[i])) for i, st in go]
             drafts, drafted, race = self._step_drafts(batch, go, rooms, [len(out.tokens[i]) for i, _ in go])
             K = max(map(len, drafts))
+            own = {r: len(drafts[r]) for r in drafted}  # the drafter's tokens (before corpus fill)
             if K and self.corpus is not None and len(go) > 1:
                 drafts = self._fill([st for _, st in go], drafts, [min(K, room) for room in rooms])
             tokens = torch.zeros(len(go), K, dtype=torch.long)  # [b, K]
@@ -164,8 +165,8 @@ class TargetWorker:
             out.lookup_accepted += sum(out.num_accepted) - sum(before)
             for r in drafted:
                 i = go[r][0]
-                out.target_drafted += len(drafts[r])
-                out.target_draft_accepted += out.num_accepted[i] - before[i]
+                out.target_drafted += own[r]
+                out.target_draft_accepted += min(own[r], out.num_accepted[i] - before[i])
             for i, _ in go:  # a forward of a round with lookups counts, whether or not the row found some
                 if batch.lookup and batch.lookup[i]:
                     f, h = lookups[i]

@@ -226,3 +226,32 @@ def test_undrafted_rows_keep_a_bounded_feature_tail(tiny_dir, prompts, monkeypat
     assert eng.stats.target_drafted == 0 and max(seen) >= 16
     assert max(seen) < 16 + max(map(len, prompts))  # the tail, and at most the chunk before it
     assert not eng.target._pending
+
+
+def test_corpus_fill_is_not_counted_as_the_drafters_tokens(tiny_dir, prompts, monkeypatch):
+    """In a step of several rows the corpus continues short drafts to the step's K: the tokens it
+    appends to a drafter's chain are lookups, not the drafter's (target_drafted counted them)."""
+    import specdec.target_worker as tw
+    from specdec.corpus import NgramCorpus
+    target = load_model(tiny_dir)
+    torch.manual_seed(0)
+    corpus = NgramCorpus(torch.randint(0, target.args.vocab_size, (4000,)).tolist(), target.args.vocab_size)
+    second = prompts[1]  # its row "finds" a 4-token lookup each step (wrong tokens: verified, output unchanged)
+    real_lookup = tw.lookup_draft
+    monkeypatch.setattr(tw, "ngram_lookup", lambda tokens, k, *n: [3] if tokens[:len(second)] == second else [])
+    monkeypatch.setattr(tw, "lookup_draft", lambda tokens, room, corpus=None: [3] * min(4, room)
+                        if tokens[:len(second)] == second else real_lookup(tokens, room, corpus))
+    own = []
+
+    class Counting(TargetWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, corpus=corpus, **kw)
+
+        def _step_drafts(self, batch, go, rooms, emitted):
+            drafts, drafted, race = super()._step_drafts(batch, go, rooms, emitted)
+            own.extend(len(drafts[r]) for r in drafted)
+            return drafts, drafted, race
+    eng = engine(target, EagleProposer(make_eagle(target), 2, 256), batch=2, k=1, lookup_k=4, worker=Counting)
+    outputs(eng, prompts[:2], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert own and eng.stats.target_drafted == sum(own)  # (the chains of 1 were filled to the step's K = 4)
+    assert eng.stats.target_draft_accepted <= eng.stats.target_drafted

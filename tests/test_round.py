@@ -69,3 +69,23 @@ def test_an_abandoned_verification_commits_nothing():
 
 def test_no_plan_no_round():
     assert run_round(Scheduler(SchedulerConfig()), _propose, _verify) is None
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_raises_stop_iteration_fails_the_round_not_ends_it():
+    """A StopIteration out of a call (a bug in it) is its error: the drivers took it for the
+    round's own end, returned nothing as if the target had abandoned the round, and a loop of such
+    rounds never progressed (a hang, no error)."""
+    def broken(plan, draft):
+        raise StopIteration
+
+    async def broken_async(plan, draft):
+        raise StopIteration
+
+    async def propose(plan):
+        return _propose(plan)
+    with pytest.raises(StopIteration):
+        run_round(_sched(), _propose, broken)
+    steps = round_steps(_sched())
+    with pytest.raises((StopIteration, RuntimeError)):  # (a coroutine turns it into RuntimeError)
+        await run_round_async(steps, next(steps), propose, broken_async)
