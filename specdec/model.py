@@ -13,12 +13,12 @@ model is the reference the logits are tested against (tests/test_model.py).
 The model is rank-free: tensor parallelism is applied afterwards by `specdec.tp.apply_tp`, which
 shards the linear layers and adds an all-reduce after the row-parallel ones.
 
-Position invariance (reduced precision). Speculative greedy output equals plain greedy output
-only if a position's logits do not depend on how many positions share the forward (one in a
-plain step, k+1 in a verification). In bfloat16 on CPU they do, by up to ~0.7 logits, which flips
-near-ties: SDPA's CPU kernel rounds a query row differently with one and with several queries,
+Position invariance. Speculative greedy output equals plain greedy output only if a position's
+logits do not depend on how many positions share the forward (one in a plain step, k+1 in a
+verification). In float32 on CPU they do by ~1e-6, which flipped a tie of that size; in bfloat16
+by up to ~0.7 logits, which flips near-ties often: SDPA's CPU kernel rounds a query row differently with one and with several queries,
 and matmul kernels pick their blocking by the row count (measured: bench/bf16_invariance.py).
-`Transformer.position_invariant` (default: on for bfloat16/float16) removes both: attention as
+`Transformer.position_invariant` (default: on for bfloat16/float16, and for float32 on CPU) removes both: attention as
 float32 matmuls with a float32 softmax, the query heads of a key/value head stacked into one matrix padded
 to a multiple of `ATTN_ROWS` rows (never fewer than 4), the weighted sum over keys taken in chunks of a constant
 `ATTN_KEYS` keys added in order (a matmul's own reduction over a longer key axis adds in another order
@@ -534,11 +534,13 @@ class Transformer(nn.Module):
     @property
     def position_invariant(self) -> bool:
         """Whether a position's logits are independent of the forward's shape (module docstring):
-        on by default in bfloat16/float16, where rounding differences flip near-ties; float32 keeps
-        SDPA (its differences are ~1e-6 and the greedy identity tests hold there)."""
+        on by default in bfloat16/float16, where rounding differences flip near-ties, and in float32
+        on CPU, where SDPA's differences are ~1e-6 but still flipped a tie of 1.2e-6 (a tiny model's
+        greedy answer, step 286): there it costs ~10% of a step (SmolLM2, 2 cores). CUDA float32
+        keeps SDPA (its GEMMs change with the row count anyway; see README, "A note on bf16")."""
         if self.exact_positions is not None:
             return self.exact_positions
-        return self.dtype in (torch.bfloat16, torch.float16)
+        return self.dtype in (torch.bfloat16, torch.float16) or self.device.type == "cpu"
 
     @property
     def dtype(self) -> torch.dtype:

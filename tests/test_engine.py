@@ -230,3 +230,20 @@ def test_request_usage_counts_proposer_drafts_and_target_forwards(tiny):
 def _count(forwards: list, out):
     forwards.append(out.steps)
     return out
+
+
+def test_float32_greedy_identity_holds_at_a_near_tie(tiny_dir, tiny_draft_dir, tiny_tok):
+    """The tiny target's greedy answer to "def add(a, b):" reaches a top-2 gap of 1.2e-6 at step
+    286: with SDPA in float32 (a 1-position step and a k+1-position verify round ~1e-6 apart)
+    speculation flipped it (k 1 and 3). The position-invariant path, now also float32's on CPU,
+    gives each position the same bits in both, so the outputs are plain decoding's."""
+    from specdec.prompts import encode_text
+    ids = encode_text(tiny_tok, "def add(a, b):")
+    outs = []
+    for k in (0, 1, 3):
+        eng = LLMEngine(TargetWorker(load_model(tiny_dir), 1, 512), DraftModelProposer(load_model(tiny_draft_dir), 1, 512),
+                        tiny_tok, EngineConfig(max_batch_size=1, num_speculative_tokens=k, adaptive=False),
+                        eos_token_ids=[])
+        assert eng.target.model.position_invariant
+        outs.append(eng.generate([ids], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))[0].output_ids)
+    assert outs[1] == outs[0] and outs[2] == outs[0]

@@ -199,11 +199,13 @@ def test_attention_row_does_not_depend_on_masked_keys_after_it():
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), L
 
 
-def test_bf16_logits_do_not_depend_on_positions_per_forward(demo_dir):
-    """bfloat16 with position_invariant (its default): a position's logits are bit-identical
-    whether it is computed alone, 2, 4 or 8 positions per forward, at batch 1 or 3; without it
-    (SDPA, one-row matmuls) they differ, which is what flipped near-ties under speculation."""
-    model = load_model(demo_dir, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_do_not_depend_on_positions_per_forward(demo_dir, dtype):
+    """With position_invariant (the default on CPU, bfloat16 and float32): a position's logits are
+    bit-identical whether it is computed alone, 2, 4 or 8 positions per forward, at batch 1 or 3;
+    without it (SDPA, one-row matmuls) they differ, which is what flipped near-ties under
+    speculation (bf16: often; float32: a tie of 1.2e-6 in a tiny model's greedy answer)."""
+    model = load_model(demo_dir, dtype=dtype)
     try:
         assert model.position_invariant
         ids = list(range(1000, 1040))
