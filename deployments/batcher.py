@@ -24,7 +24,9 @@ Failures: a failing (or, past `draft_timeout_s`, silent) draft call makes the la
 rounds for a while (greedy and seeded output unchanged: both are plain decoding's); a lost target replica
 (actor died, or `TargetFault`: its tensor-parallel group broke) is retried on another replica,
 which re-prefills the lane's sequences from the router's copy of their tokens, until
-`retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503.
+`retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503. A
+replica that does not answer in time (a hung forward) is left, and avoided by new calls for
+`SUSPECT_S`: a Draft call past `draft_timeout_s`, a pinned Target call past half the deadline.
 A lane that fails or is cancelled fails its sequences, so no request waits forever.
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ from specdec.stats import RoundProfile, SpecStats
 
 log = logging.getLogger("ray.serve")
 MAX_PENDING_RELEASES = 1024  # finished ids a lane keeps for its next draft call before sending them alone
+SUSPECT_S = 60.0  # how long new calls avoid a replica a call timed out on
 
 
 class SchedulingConfig(BaseModel):
@@ -168,6 +171,9 @@ class Batcher:
         self.resyncs = {"draft": 0, "target": 0}  # rows a replica did not hold (re-prefilled)
         self.draft_failures: dict[str, int] = {}  # failed Draft calls by exception type (each: a lane without drafts)
         self.rounds_by_target: dict[str, int] = {}  # target replica id -> rounds it verified
+        # replica id -> until when new calls avoid it: a call to it timed out (a hung forward keeps
+        # its process, and its health check, alive until forward_timeout_s)
+        self.suspects: dict[str, float] = {}
         self.metrics = self._make_metrics()
         self.requests: dict = {}  # request group -> _RequestTally (metrics count requests, not sequences)
         self._background: set[asyncio.Task] = set()  # releases re-delivered after a failed call
@@ -357,8 +363,8 @@ class Batcher:
         if ids:
             calls.append(self.target.release.remote(ids, pin=lane.target_pin))
         dids, lane.pending_draft_release = lane.pending_draft_release + ids, []
-        if dids and self.draft is not None and lane.draft_pin:
-            calls.append(self.draft.release.remote(dids, pin=lane.draft_pin))
+        if dids and self.draft is not None and lane.draft_pin:  # (in the background: only the target's
+            self._release_later(self.draft, lane.draft_pin, dids)  # slots gate the lane's clients)
         for c in calls:
             try:
                 await asyncio.wait_for(c, timeout=self.cfg.draft_timeout_s)
@@ -446,8 +452,15 @@ class Batcher:
         spread over replicas (and a scaled-out replica gets the next lane), and for a Draft call
         whose replica other lanes share, which then moves to a replica no lane uses."""
         used = [p for l in self.lanes if l is not lane and (p := getattr(l, attr))]
+        now = time.monotonic()
+        used += [r for r, until in self.suspects.items() if until > now]
         pin = getattr(lane, attr)
         return used if not pin or (attr == "draft_pin" and pin in used) else []
+
+    def _suspect(self, rid: str | None) -> None:
+        """Calls timed out on replica `rid`: lanes leave it, and new calls avoid it for a while."""
+        if rid:
+            self.suspects[rid] = time.monotonic() + SUSPECT_S
 
     async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
         if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:
@@ -470,8 +483,15 @@ class Batcher:
             lane.draft_pin = rid
             return out, True
         except Exception as e:  # noqa: BLE001 - draft loss only costs speed: run a plain round
-            # The pin stays: a live replica keeps (and later frees) the lane's draft state; a dead
-            # one is no longer a candidate and the affinity router picks another.
+            # The pin stays after an error: a live replica keeps (and later frees) the lane's draft
+            # state; a dead one is no longer a candidate and the affinity router picks another. A
+            # replica that did not answer in time may be hung (alive, so still a candidate): the
+            # lane leaves it, frees its state there in the background, and new calls avoid it.
+            if isinstance(e, asyncio.TimeoutError) and lane.draft_pin:
+                self._suspect(lane.draft_pin)
+                self._release_later(self.draft, lane.draft_pin,
+                                    [s.seq_id for s in lane.scheduler.running] + list(batch.release))
+                batch.release, lane.draft_pin = [], None
             log.warning("draft call failed (%r); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
             kind = type(e).__name__
             self.draft_failures[kind] = self.draft_failures.get(kind, 0) + 1
@@ -496,17 +516,28 @@ class Batcher:
         deadline = time.monotonic() + self.cfg.retry_deadline_s
         release = list(plan.draft_batch.release)
         backoff = 0.2
+        moved = False
         while True:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release = release
+            left = deadline - time.monotonic()
+            # A pinned lane's call gets half the time once: its replica may be hung (alive, and
+            # healthy to Serve, until forward_timeout_s), and the other half goes to another one.
+            limit = left / 2 if lane.target_pin and not moved else left
             try:
                 rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin,
                                                                             avoid=self._avoid(lane, "target_pin")),
-                                                  timeout=max(0.1, deadline - time.monotonic()))
+                                                  timeout=max(0.1, limit))
                 lane.target_pin = rid
                 self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out
             except asyncio.TimeoutError:  # e.g. no target replica came up: give up, keep the pin
+                if lane.target_pin and not moved and deadline - time.monotonic() > 0.1:
+                    log.warning("target replica %s did not answer in %.1fs; re-prefilling the lane elsewhere",
+                                lane.target_pin, limit)
+                    self._suspect(lane.target_pin)
+                    moved, release = True, self._leave_target(lane, plan, release)
+                    continue
                 if release:  # the cancelled call may never have run there
                     self._release_later(self.target, lane.target_pin, release)
                 self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
@@ -519,18 +550,22 @@ class Batcher:
                     self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
                     return None
                 log.warning("target replica lost (%s); re-prefilling the lane elsewhere", _short(e))
-                # An unavailable replica may come back: it must still free the finished rows' slots
-                # and those of the rows re-prefilled elsewhere (should the lane land there again,
-                # a row it no longer holds is re-prefilled: `unknown`).
-                held = release + [s.seq_id for s in plan.seqs]
-                if lane.target_pin is not None and held:
-                    self._release_later(self.target, lane.target_pin, held)
-                lane.target_pin = None
-                for s in plan.seqs:
-                    s.target_offset = 0
-                release = []
+                release = self._leave_target(lane, plan, release)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+
+    def _leave_target(self, lane: Lane, plan, release: list[int]) -> list[int]:
+        """The lane moves off its Target replica: the rows re-prefill wherever the next call lands.
+        An unavailable (or hung) replica may come back: it must still free the finished rows'
+        slots and those of the rows re-prefilled elsewhere (should the lane land there again, a
+        row it no longer holds is re-prefilled: `unknown`). Returns the releases still to send."""
+        held = release + [s.seq_id for s in plan.seqs]
+        if lane.target_pin is not None and held:
+            self._release_later(self.target, lane.target_pin, held)
+        lane.target_pin = None
+        for s in plan.seqs:
+            s.target_offset = 0
+        return []
 
     def _release_later(self, handle, pin: str | None, ids: list[int]) -> None:
         """Deliver releases to replica `pin` of `handle` (Target or Draft) in the background,

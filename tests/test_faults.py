@@ -602,3 +602,103 @@ def test_reconfigure_validates_before_it_applies(tiny_dir):
             batcher.reconfigure(bad)
         assert batcher.cfg.max_batch_size == 2 and batcher.cfg.batch_wait_timeout_s == 0
     batcher.reconfigure({"max_batch_size": 4})  # back up to what it was built with
+
+
+class _TwoTargets:
+    """Two in-process Target replicas behind a handle that routes like the affinity router (the
+    pin, else the first replica not avoided); replica "a" hangs (alive) from its 4th call."""
+
+    def __init__(self, path):
+        import torch
+
+        from fake_handles import Method
+        from specdec.loader import load_model
+        from specdec.target_worker import TargetWorker
+        self.workers = {n: TargetWorker(load_model(path, dtype=torch.float32), 4, 256) for n in "ab"}
+        self.calls = {"a": 0, "b": 0}
+        self.verify, self.release = Method(self._verify), Method(self._release)
+
+    def options(self, **_):
+        return self
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+        self.calls[name] += 1
+        if name == "a" and self.calls["a"] > 3:
+            await asyncio.Event().wait()  # a forward that never returns
+        return name, self.workers[name].verify(batch, draft)
+
+    async def _release(self, ids, pin=None):
+        for n, w in self.workers.items():
+            if pin in (None, n):
+                w.release(ids)
+
+
+@pytest.mark.asyncio
+async def test_a_lane_leaves_a_hung_target_replica_for_a_healthy_one(tiny_dir):
+    """A forward that hangs keeps its replica alive (and healthy to Serve until forward_timeout_s):
+    the lane gives it half its retry deadline, then re-prefills on the other replica, and new
+    lanes avoid the hung one. Before, every request on it failed at the deadline, and so did
+    the next lanes sent there."""
+    from deployments.batcher import Batcher
+    from specdec.sampling import SamplingParams
+    t = _TwoTargets(tiny_dir)
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 256, "batch_wait_timeout_s": 0,
+                 "plain_steps": 1, "retry_deadline_s": 2.0}, None, t)
+    ref = {}
+    for prompt in ([5, 6, 7], [8, 9, 10]):
+        (s,) = b.submit([prompt], [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+        while not s.finished:
+            await b.wait(s)  # (raises RequestFailed if the lane failed)
+        b.finish(s)
+        ref[tuple(prompt)] = s.output_ids
+    assert all(len(o) == 20 for o in ref.values()) and t.calls["b"] > 0
+    assert "a" in b.suspects and t.calls["a"] == 4  # the second request's lane never tried "a"
+
+
+@pytest.mark.asyncio
+async def test_a_lane_leaves_a_hung_draft_replica(tiny_dir):
+    """A Draft replica whose proposal hangs: after the draft timeout the lane drops its pin (and
+    frees its state there in the background), and its next drafts go to the other replica; before,
+    it went back to the hung one after every backoff, for a timeout each time."""
+    import torch
+
+    from deployments.batcher import Batcher
+    from fake_handles import FakeTarget, Method
+    from specdec.loader import load_model
+    from specdec.proposers.ngram import NgramProposer
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    class TwoDrafts:
+        def __init__(self):
+            self.proposers = {n: NgramProposer(min_n=1, max_n=3) for n in "ab"}
+            self.calls = {"a": 0, "b": 0}
+            self.propose, self.release = Method(self._propose), Method(self._release)
+
+        def options(self, **_):
+            return self
+
+        async def _propose(self, batch, pin=None, avoid=None):
+            name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+            self.calls[name] += 1
+            if name == "a" and self.calls["a"] > 2:
+                await asyncio.Event().wait()
+            return name, self.proposers[name].propose(batch)
+
+        async def _release(self, ids, pin=None):
+            for n, p in self.proposers.items():
+                if pin in (None, n):
+                    p.release(ids)
+
+    drafts = TwoDrafts()
+    target = FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256))
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 256, "batch_wait_timeout_s": 0,
+                 "adaptive": False, "num_speculative_tokens": 2, "draft_timeout_s": 0.3, "draft_backoff_s": 0.05,
+                 "plain_steps": 1},
+                drafts, target)
+    (s,) = b.submit([[5, 6, 7, 5, 6, 7, 5, 6]], [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)])
+    while not s.finished:
+        await b.wait(s)
+    b.finish(s)
+    assert len(s.output_ids) == 200 and drafts.calls["a"] == 3 and drafts.calls["b"] > 3 and "a" in b.suspects
