@@ -155,7 +155,7 @@ class Batcher:
     deployments. Not a deployment itself: the Router deployment's ingress (serve_app/api.py) holds one."""
 
     def __init__(self, config: dict, draft_handle, target_handle):
-        self.cfg = RouterConfig(**config)
+        self.cfg = self.built = RouterConfig(**config)  # (`built`: what a knob left out of user_config returns to)
         self.built_batch_size = self.cfg.max_batch_size  # rows per lane the replicas' KV slots were sized for
         self.tokenizer = load_tokenizer(self.cfg.tokenizer)
         self.eos_ids = eos_ids_of(self.tokenizer)
@@ -189,12 +189,13 @@ class Batcher:
             return None
 
     def reconfigure(self, user_config: dict) -> None:
-        """Runtime knobs from the deployment's user_config."""
+        """Runtime knobs from the deployment's user_config, over the built config: a knob the new
+        user_config leaves out returns to its built value, as in a replica started now."""
         allowed = set(SchedulingConfig.model_fields)
         unknown = set(user_config) - allowed
         if unknown:
             raise ValueError(f"unknown user_config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-        cfg = RouterConfig.model_validate({**self.cfg.model_dump(), **user_config})  # (converted, or nothing changes)
+        cfg = RouterConfig.model_validate({**self.built.model_dump(), **user_config})  # (converted, or nothing changes)
         if cfg.max_batch_size > self.built_batch_size:
             raise ValueError(f"max_batch_size can only be lowered at runtime: the replicas' KV caches hold "
                              f"{self.built_batch_size} rows per lane (rebuild the app to raise it)")

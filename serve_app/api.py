@@ -147,7 +147,9 @@ class OpenAIIngress:
         return self.batcher.cfg
 
     # ---- what Serve calls on the deployment ---------------------------------------------------
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
+        """On the lanes' event loop (a plain method would run on Serve's thread pool while rounds
+        read the config and the lanes list changes)."""
         self.batcher.reconfigure(user_config)
 
     async def record_autoscaling_stats(self) -> dict:

@@ -602,6 +602,10 @@ def test_reconfigure_validates_before_it_applies(tiny_dir):
             batcher.reconfigure(bad)
         assert batcher.cfg.max_batch_size == 2 and batcher.cfg.batch_wait_timeout_s == 0
     batcher.reconfigure({"max_batch_size": 4})  # back up to what it was built with
+    assert (batcher.cfg.adaptive, batcher.cfg.plain_steps) == (True, batcher.built.plain_steps)  # left out: built values
+    batcher.reconfigure({"max_batch_size": 2})
+    batcher.reconfigure({})  # as a replica started with this user_config
+    assert batcher.cfg == batcher.built and batcher.cfg.max_batch_size == 4
 
 
 class _TwoTargets:
