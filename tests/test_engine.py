@@ -247,3 +247,25 @@ def test_float32_greedy_identity_holds_at_a_near_tie(tiny_dir, tiny_draft_dir, t
         assert eng.target.model.position_invariant
         outs.append(eng.generate([ids], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))[0].output_ids)
     assert outs[1] == outs[0] and outs[2] == outs[0]
+
+
+def test_ngram_history_of_a_sequence_never_released_is_forgotten_when_idle():
+    """A crashed router's sequences (or a lost release's) are never released: the n-gram proposer
+    (the hybrid's too) forgets a sequence no proposal touched for IDLE_EVICT_S; one that returns
+    after that comes back unknown (its context is resent)."""
+    from specdec.metadata import SpecBatch
+    from specdec.proposers import ngram
+
+    now = [0.0]
+    p = NgramProposer(clock=lambda: now[0])
+
+    def batch(sid, offset, new):
+        return SpecBatch([sid], [offset], [new], [2], torch.zeros(1), torch.zeros(1, dtype=torch.long),
+                         torch.ones(1), torch.zeros(1, 3, 3, dtype=torch.float64))
+    p.propose(batch(1, 0, [1, 2, 3, 1, 2]))
+    p.propose(batch(2, 0, [4, 5, 6]))
+    for _ in range(4):
+        now[0] += 0.4 * ngram.IDLE_EVICT_S
+        assert not p.propose(batch(2, 3, [])).unknown  # seq 2 stays in use
+    assert set(p.history) == {2}
+    assert p.propose(batch(1, 5, [3])).unknown == [0]  # seq 1, forgotten: its context must come again

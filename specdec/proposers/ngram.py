@@ -27,10 +27,18 @@ def ngram_lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> l
     return []
 
 
+IDLE_EVICT_S = 300.0  # a sequence no proposal touched for this long is forgotten (its release was lost)
+
+
 class NgramProposer(Proposer):
-    def __init__(self, min_n: int = 1, max_n: int = 3, **_):
+    def __init__(self, min_n: int = 1, max_n: int = 3, clock=time.monotonic, **_):
         self.min_n, self.max_n = min_n, max_n
         self.history: dict[int, list[int]] = {}
+        # seq id -> when a proposal last touched it: a crashed router's sequences, or a lost
+        # release's, are never released; forgetting an idle one only costs a resend of its context
+        # (the row comes back unknown) should it return
+        self.last_used: dict[int, float] = {}
+        self.clock, self._swept = clock, clock()
 
     @property
     def num_active(self) -> int:
@@ -39,10 +47,19 @@ class NgramProposer(Proposer):
     def release(self, seq_ids) -> None:
         for s in seq_ids:
             self.history.pop(s, None)
+            self.last_used.pop(s, None)
+
+    def _evict_idle(self, now: float) -> None:
+        if now - self._swept >= IDLE_EVICT_S / 10:
+            self._swept = now
+            self.release([s for s, t in self.last_used.items() if now - t > IDLE_EVICT_S])
 
     def propose(self, batch: SpecBatch) -> DraftOutput:
         t0 = time.perf_counter()
         self.release(batch.release)
+        now = self.clock()
+        self._evict_idle(now)
+        self.last_used.update((sid, now) for sid in batch.seq_ids)
         K = batch.max_draft
         out = torch.zeros(len(batch), K, dtype=torch.long)
         num, unknown = [], []
