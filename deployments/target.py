@@ -85,9 +85,11 @@ def _init_dist(backend: str, addr: str, port: int, rank: int, world: int, timeou
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"health": 1})
 class TPWorker:
-    """Rank r > 0 of a target replica: holds a shard and mirrors rank 0's forward calls."""
+    """Rank r > 0 of a target replica: holds a shard and mirrors rank 0's forward calls. `ping`
+    runs in a group of its own: a health check answers during a long forward (a prefill), which
+    otherwise held it past its 10 s timeout and got a healthy replica replaced."""
 
     def __init__(self, cfg: dict, rank: int, world: int):
         self.cfg, self.rank, self.world = TargetConfig(**cfg), rank, world
@@ -108,6 +110,7 @@ class TPWorker:
                 self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
         return True
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> tuple[int, int]:
         return self.rank, os.getpid()
 

@@ -99,3 +99,27 @@ def test_a_cache_larger_than_free_memory_is_refused_before_allocating(tiny_dir, 
         m.setup_cache(64, 4096)
     assert all(layer.self_attn.kv_cache is None for layer in m.layers)
     m.setup_cache(1, 16)  # a small one fits
+
+
+def test_a_tp_worker_answers_its_health_ping_during_a_long_call(ray_cluster, tiny_dir):
+    """The replica's health check pings its TP workers with a 10 s timeout: a worker busy in a
+    long forward (a long prefill) must still answer, or Serve replaces a healthy replica. Here
+    the long call is joining a group whose rank 0 never comes (it waits forward_timeout_s)."""
+    import socket
+    import time
+
+    import ray
+
+    from deployments.target import TPWorker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = TPWorker.options(num_cpus=0.1).remote({"model": str(tiny_dir), "forward_timeout_s": 20.0}, 1, 2)
+    try:
+        busy = w.init.remote("gloo", "127.0.0.1", port)
+        time.sleep(1.0)  # the call is running
+        assert ray.get(w.ping.remote(), timeout=10)[0] == 1
+        ready, _ = ray.wait([busy], timeout=0)
+        assert not ready  # (still in the long call while it answered)
+    finally:
+        ray.kill(w)
