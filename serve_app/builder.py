@@ -18,6 +18,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from deployments.affinity import REQUEST_ROUTER_PATH
 from deployments.draft import DraftDeployment
 from deployments.target import TargetDeployment
+from serve_app import constants
 from serve_app.api import OpenAIIngress
 from serve_app.args import AppArgs
 
@@ -85,6 +86,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
         # full; Serve's own queue at the proxy is the last guard against a flood of connections.
         max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=max(64, 4 * a.max_queued_sequences),
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
+        graceful_shutdown_timeout_s=constants.ROUTER_DRAIN_S,
         **_scaling(a, "Router", a.router_replicas, a.max_router_replicas),
     ).bind(a.router_config().model_dump(), a.api.model_dump(), draft, target)
     return router

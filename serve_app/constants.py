@@ -12,6 +12,9 @@ DEBUG_LOG_PROMPTS = os.environ.get("SPECDEC_DEBUG_LOG_PROMPTS", "0") == "1"
 # BENCHMARKS.md); other targets get prompt lookup, which needs no weights.
 AUTO_PROPOSER_WITH_DRAFT = os.environ.get("SPECDEC_AUTO_PROPOSER", "hybrid")
 AUTO_PROPOSER_WITHOUT_DRAFT = "ngram"
+# How long a Router replica that Serve stops (a redeploy, a scale-in) may take to finish the streams
+# it serves before it is killed (Serve's default, 20 s, cut every longer answer without an end).
+ROUTER_DRAIN_S = float(os.environ.get("SPECDEC_ROUTER_DRAIN_S", "300"))
 # Default application name and HTTP route prefix.
 APP_NAME = os.environ.get("SPECDEC_APP_NAME", "specdec")
 

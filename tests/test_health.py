@@ -59,6 +59,9 @@ def test_builder_gives_the_draft_a_health_check(tiny_dir, tiny_draft_dir):
     assert deployments["Draft"]._deployment_config.health_check_period_s == 2
     assert deployments["Draft"].init_args[0]["forward_timeout_s"] == 30
     assert deployments["Target"].init_args[0]["forward_timeout_s"] == 30
+    # a Router that Serve stops (redeploy, scale-in) lets its streams finish: Serve's default 20 s
+    # cut every longer one without an end
+    assert deployments["Router"]._deployment_config.graceful_shutdown_timeout_s >= 300
 
 
 def _deployments(app):
