@@ -17,25 +17,49 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, path, ids, out_q):
+def _join(rank, world, port) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _report_and_leave(rank, out_q, value) -> None:
+    """Rank 0 sends `value` (plain data outlives the process); every rank leaves the group and exits
+    without interpreter teardown, where gloo's threads once aborted a finished rank."""
+    import torch.distributed as dist
+    if rank == 0:
+        out_q.put(value)
+        out_q.close()
+        out_q.join_thread()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _run_ranks(target, world: int, *args):
+    """Rank 0's value from `target(rank, world, port, *args, queue)` run in `world` processes."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    value = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return value
+
+
+def _rank(rank, world, port, path, ids, out_q):
+    _join(rank, world, port)
     model = apply_tp(load_model(path), rank, world)
     model.setup_cache(1, 64)
     with torch.inference_mode():
         logits, _ = model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), n_logits=len(ids))
         # a second, incremental step through the sharded cache
         step, _ = model(torch.tensor([[7]]), torch.tensor([0]), torch.tensor([len(ids)]))
-    if rank == 0:
-        out_q.put((logits[0].tolist(), step[0, -1].tolist()))  # plain data outlives this process
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        out_q.close()
-        out_q.join_thread()  # the result is in the pipe before the process ends
-    os._exit(0)  # done: skip interpreter teardown, where gloo's threads once aborted a rank (SIGABRT,
-    # "terminate called without an active exception") after it had finished its work
+    _report_and_leave(rank, out_q, (logits[0].tolist(), step[0, -1].tolist()))
 
 
 def test_tp2_logits_match_single_process(tiny_dir):
@@ -45,27 +69,15 @@ def test_tp2_logits_match_single_process(tiny_dir):
     with torch.inference_mode():
         ref, _ = ref_model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), n_logits=len(ids))
         ref_step, _ = ref_model(torch.tensor([[7]]), torch.tensor([0]), torch.tensor([len(ids)]))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tiny_dir), ids, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    logits, step = (torch.tensor(x) for x in q.get(timeout=120))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    logits, step = (torch.tensor(x) for x in _run_ranks(_rank, 2, str(tiny_dir), ids))
     assert torch.allclose(logits, ref[0], atol=1e-4)
     assert torch.allclose(step, ref_step[0, -1], atol=1e-4)
     assert torch.equal(logits.argmax(-1), ref[0].argmax(-1))
 
 
 def _reduce_rank(rank, world, port, out_q):
-    import torch.distributed as dist
-
     from specdec.tp import _all_reduce_hook
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port)
     hook = _all_reduce_hook(None, world)
     g = torch.Generator().manual_seed(100 + rank)
     differ = 0
@@ -74,13 +86,7 @@ def _reduce_rank(rank, world, port, out_q):
         for t in range(16):
             one, five = hook(None, None, rows[t, :1].clone()), hook(None, None, rows[t].clone())
             differ += int(not torch.equal(one[0], five[0]))
-    if rank == 0:
-        out_q.put(differ)
-        out_q.close()
-        out_q.join_thread()
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    _report_and_leave(rank, out_q, differ)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -88,17 +94,7 @@ def test_a_positions_sum_over_ranks_does_not_depend_on_the_others_in_its_forward
     """A plain step (1 position) and a verify (5) must reduce a position to the same bits, or
     speculation would not be greedy-identical; with 3 ranks a plain all_reduce broke this in
     every trial, bf16 and float32 (gloo splits the buffer by its size)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_reduce_rank, args=(r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    differ = q.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    assert differ == 0
+    assert _run_ranks(_reduce_rank, world) == 0
 
 
 def test_tp_degree_must_divide_heads():
@@ -110,9 +106,7 @@ def test_tp_degree_must_divide_heads():
 
 
 def _invariance_rank(rank, world, port, path, out_q):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port)
     model = apply_tp(load_model(path, dtype=torch.bfloat16), rank, world)
     model.setup_cache(2, 64)
     prompt, chain = [3, 17, 250, 9, 41, 5], [7, 11, 13, 17, 19]
@@ -123,13 +117,7 @@ def _invariance_rank(rank, world, port, path, out_q):
                  for i, t in enumerate(chain)]  # plain decoding: one position per forward
         verify, _ = model(torch.tensor([chain]), torch.tensor([1]), torch.tensor([len(prompt)]),
                           n_logits=len(chain))  # a verify: all of them in one forward
-    if rank == 0:
-        out_q.put(sum(int(not torch.equal(s, v)) for s, v in zip(steps, verify[0])))
-        out_q.close()
-        out_q.join_thread()
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    _report_and_leave(rank, out_q, sum(int(not torch.equal(s, v)) for s, v in zip(steps, verify[0])))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -138,17 +126,7 @@ def test_a_sharded_bf16_model_gives_a_position_the_same_logits_in_a_verify_as_in
     from tiny_models import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / "t6", seed=0, layers=2, hidden=96, heads=6, kv_heads=6,
                                 intermediate=192)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_invariance_rank, args=(r, world, port, str(path), q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    differ = q.get(timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    assert differ == 0
+    assert _run_ranks(_invariance_rank, world, str(path)) == 0
 
 
 def test_a_rank_shards_on_the_host_before_moving_to_its_device(tiny_dir, monkeypatch):
