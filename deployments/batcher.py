@@ -25,8 +25,9 @@ rounds for a while (greedy and seeded output unchanged: both are plain decoding'
 (actor died, or `TargetFault`: its tensor-parallel group broke) is retried on another replica,
 which re-prefills the lane's sequences from the router's copy of their tokens, until
 `retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503. A
-replica that does not answer in time (a hung forward) is left, and avoided by new calls for
-`SUSPECT_S`: a Draft call past `draft_timeout_s`, a pinned Target call past half the deadline.
+replica that does not answer in time (a hung forward) is avoided by new calls for `SUSPECT_S`
+(while others can serve): a Draft call past `draft_timeout_s` (the lane leaves it), a Target call
+past `retry_deadline_s`.
 A lane that fails or is cancelled fails its sequences, so no request waits forever.
 """
 from __future__ import annotations
@@ -517,28 +518,21 @@ class Batcher:
         deadline = time.monotonic() + self.cfg.retry_deadline_s
         release = list(plan.draft_batch.release)
         backoff = 0.2
-        moved = False
         while True:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release = release
-            left = deadline - time.monotonic()
-            # A pinned lane's call gets half the time once: its replica may be hung (alive, and
-            # healthy to Serve, until forward_timeout_s), and the other half goes to another one.
-            limit = left / 2 if lane.target_pin and not moved else left
             try:
                 rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin,
                                                                             avoid=self._avoid(lane, "target_pin")),
-                                                  timeout=max(0.1, limit))
+                                                  timeout=max(0.1, deadline - time.monotonic()))
                 lane.target_pin = rid
                 self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out
             except asyncio.TimeoutError:  # e.g. no target replica came up: give up, keep the pin
-                if lane.target_pin and not moved and deadline - time.monotonic() > 0.1:
-                    log.warning("target replica %s did not answer in %.1fs; re-prefilling the lane elsewhere",
-                                lane.target_pin, limit)
-                    self._suspect(lane.target_pin)
-                    moved, release = True, self._leave_target(lane, plan, release)
-                    continue
+                # A replica that did not answer in retry_deadline_s may be hung (alive, and healthy
+                # to Serve, until forward_timeout_s): new lanes avoid it while others can serve.
+                # (A slow forward and a hung one look alike before then: this lane does not move.)
+                self._suspect(lane.target_pin)
                 if release:  # the cancelled call may never have run there
                     self._release_later(self.target, lane.target_pin, release)
                 self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
@@ -557,7 +551,7 @@ class Batcher:
 
     def _leave_target(self, lane: Lane, plan, release: list[int]) -> list[int]:
         """The lane moves off its Target replica: the rows re-prefill wherever the next call lands.
-        An unavailable (or hung) replica may come back: it must still free the finished rows'
+        An unavailable replica may come back: it must still free the finished rows'
         slots and those of the rows re-prefilled elsewhere (should the lane land there again, a
         row it no longer holds is re-prefilled: `unknown`). Returns the releases still to send."""
         held = release + [s.seq_id for s in plan.seqs]
