@@ -489,11 +489,11 @@ class Batcher:
             # state; a dead one is no longer a candidate and the affinity router picks another. A
             # replica that did not answer in time may be hung (alive, so still a candidate): the
             # lane leaves it, frees its state there in the background, and new calls avoid it.
+            carried = list(batch.release)  # (the round's target call sends them to the target too: not cleared)
             if isinstance(e, asyncio.TimeoutError) and lane.draft_pin:
                 self._suspect(lane.draft_pin)
-                self._release_later(self.draft, lane.draft_pin,
-                                    [s.seq_id for s in lane.scheduler.running] + list(batch.release))
-                batch.release, lane.draft_pin = [], None
+                self._release_later(self.draft, lane.draft_pin, [s.seq_id for s in lane.scheduler.running] + carried)
+                carried, lane.draft_pin = [], None
             log.warning("draft call failed (%r); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
             kind = type(e).__name__
             self.draft_failures[kind] = self.draft_failures.get(kind, 0) + 1
@@ -501,7 +501,7 @@ class Batcher:
                 self.metrics.record_draft_failure(kind)
             # the releases it carried may not have arrived (a timeout leaves a live, slow replica):
             # deliver them again with the next call (releasing twice is harmless)
-            lane.pending_draft_release = list(batch.release) + lane.pending_draft_release
+            lane.pending_draft_release = carried + lane.pending_draft_release
             lane.draft_down_until = time.monotonic() + self.cfg.draft_backoff_s
             for s in lane.scheduler.running:
                 s.draft_offset = 0  # whichever replica serves next must get the full context
