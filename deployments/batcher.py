@@ -460,7 +460,7 @@ class Batcher:
         return used if not pin or (attr == "draft_pin" and pin in used) else []
 
     def _suspect(self, rid: str | None) -> None:
-        """Calls timed out on replica `rid`: lanes leave it, and new calls avoid it for a while."""
+        """A call timed out on replica `rid` (it may be hung): new calls avoid it for SUSPECT_S."""
         if rid:
             self.suspects[rid] = time.monotonic() + SUSPECT_S
 
@@ -545,22 +545,18 @@ class Batcher:
                     self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
                     return None
                 log.warning("target replica lost (%s); re-prefilling the lane elsewhere", _short(e))
-                release = self._leave_target(lane, plan, release)
+                # An unavailable replica may come back: it must still free the finished rows' slots
+                # and those of the rows re-prefilled elsewhere (should the lane land there again,
+                # a row it no longer holds is re-prefilled: `unknown`).
+                held = release + [s.seq_id for s in plan.seqs]
+                if lane.target_pin is not None and held:
+                    self._release_later(self.target, lane.target_pin, held)
+                lane.target_pin = None
+                for s in plan.seqs:
+                    s.target_offset = 0
+                release = []
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
-
-    def _leave_target(self, lane: Lane, plan, release: list[int]) -> list[int]:
-        """The lane moves off its Target replica: the rows re-prefill wherever the next call lands.
-        An unavailable replica may come back: it must still free the finished rows'
-        slots and those of the rows re-prefilled elsewhere (should the lane land there again, a
-        row it no longer holds is re-prefilled: `unknown`). Returns the releases still to send."""
-        held = release + [s.seq_id for s in plan.seqs]
-        if lane.target_pin is not None and held:
-            self._release_later(self.target, lane.target_pin, held)
-        lane.target_pin = None
-        for s in plan.seqs:
-            s.target_offset = 0
-        return []
 
     def _release_later(self, handle, pin: str | None, ids: list[int]) -> None:
         """Deliver releases to replica `pin` of `handle` (Target or Draft) in the background,
