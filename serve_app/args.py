@@ -18,9 +18,9 @@ from deployments.draft import DraftConfig, ProposerSettings
 from deployments.batcher import RouterConfig, SchedulingConfig
 from deployments.target import TargetConfig
 from serve_app.telemetry import TracingConfig
+from specdec.checks import DRAFT_PROPOSERS
 from specdec.eagle_draft import feature_layers
 
-DRAFT_PROPOSERS = frozenset({"draft", "eagle", "hybrid"})  # proposers that read a draft checkpoint
 # prompt lookup alone pays in small rounds only, and longer there (SchedulingConfig.lookup_k, lookup_max_batch)
 LOOKUP_WITHOUT_CORPUS = {"lookup_max_batch": 4, "lookup_k": 4}
 
@@ -233,75 +233,15 @@ class AppArgs(SchedulingConfig, ProposerSettings):
 
     # ---- cross-deployment checks (build time) ------------------------------------------------
     def validate_models(self) -> None:
-        """Load configs and tokenizers (not weights) and check what spans deployments."""
-        from specdec.loader import (ModelLoadError, check_same_vocab, load_tokenizer, materialize,
-                                    parse_dtype, resolve)
-        from specdec.model import ModelArgs
-        from specdec.tp import check_tp
-        from transformers import AutoConfig
-
-        src = materialize(resolve(self.target))  # converts a GGUF once, here, not in every replica
-        try:
-            margs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(src.path))
-        except ValueError as e:
-            raise ValueError(f"target {self.target}: {e}") from None
-        try:
-            check_tp(margs, self.tp)
-        except ValueError as e:
-            raise ValueError(f"tp={self.tp} cannot shard target {self.target}: {e}") from None
-        tokenizer = load_tokenizer(src.path)  # the Router's: a checkpoint without one fails here, not in a replica
-        if len(tokenizer) > margs.vocab_size:
-            raise ValueError(f"target {self.target}'s tokenizer has {len(tokenizer)} tokens, more than its "
-                             f"{margs.vocab_size} embeddings: a prompt with one of the others would fail every request "
-                             "batched with it (resize the embeddings, or use the checkpoint's own tokenizer)")
-        if self.proposer == "self" and self.self_draft_layers >= margs.num_layers:
-            raise ValueError(f"self_draft_layers={self.self_draft_layers} must be below the target's "
-                             f"{margs.num_layers} layers")
-        item = parse_dtype(self.dtype).itemsize
-        draft_kv, draft_positions = 0, None  # the draft's KV bytes per position; its own position limit
-        if self.speculate and self.proposer == "self":
-            draft_kv = margs.kv_bytes_per_token(item) // margs.num_layers * self.self_draft_layers
-        if self.proposer in DRAFT_PROPOSERS:
-            from specdec.eagle_draft import check_eagle_fits, is_eagle
-            if self.proposer == "eagle" and not is_eagle(self.draft):
-                raise ValueError(f"proposer='eagle' needs an EAGLE-style draft; {self.draft} is not one "
-                                 "(use proposer='draft' for a standalone draft model)")
-            dsrc = materialize(resolve(self.draft))
-            if is_eagle(self.draft):
-                try:
-                    c = check_eagle_fits(dsrc.path, margs)
-                except ValueError as e:
-                    raise ValueError(f"draft {self.draft} does not fit target {self.target}: {e}") from None
-                draft_kv = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * item
-            else:
-                try:
-                    dargs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(dsrc.path))
-                except ValueError as e:
-                    raise ValueError(f"draft {self.draft}: {e}") from None
-                draft_kv, draft_positions = dargs.kv_bytes_per_token(item), dargs.max_position_embeddings
-                if not len(tokenizer) <= dargs.vocab_size <= margs.vocab_size:
-                    raise ValueError(f"draft {self.draft} has {dargs.vocab_size} embeddings: it must embed every "
-                                     f"token of the tokenizer ({len(tokenizer)}) and propose none the target cannot "
-                                     f"embed ({margs.vocab_size})")
+        """Check the checkpoints against each other (specdec.checks: configs and tokenizers, not
+        weights) and derive max_model_len from the target and the KV-cache budget."""
+        from specdec.checks import check_models
+        fit = check_models(self.target, self.draft, self.proposer, tp=self.tp, dtype=self.dtype,
+                           self_draft_layers=self.self_draft_layers, lookup_corpus=self.lookup_corpus)
         explicit_len = self.max_model_len is not None
-        self.max_model_len = self._resolve_max_model_len(margs, draft_kv if self.speculate else 0)
-        if draft_positions is not None and draft_positions < self.max_model_len:
+        self.max_model_len = self._resolve_max_model_len(fit.target, fit.draft_kv_bytes if self.speculate else 0)
+        if fit.draft_positions is not None and fit.draft_positions < self.max_model_len:
             if explicit_len:
-                raise ValueError(f"draft {self.draft} handles {draft_positions} positions, "
+                raise ValueError(f"draft {self.draft} handles {fit.draft_positions} positions, "
                                  f"fewer than max_model_len={self.max_model_len}: lower max_model_len")
-            self.max_model_len = draft_positions // 16 * 16  # derived: the draft's limit too
-        if self.lookup_corpus:
-            from specdec.corpus import corpus_vocab_size
-            from specdec.loader import resolve_corpus
-            try:
-                vocab = corpus_vocab_size(resolve_corpus(self.lookup_corpus))
-            except ModelLoadError as e:
-                raise ValueError(str(e)) from None
-            if vocab > margs.vocab_size:
-                raise ValueError(f"lookup_corpus {self.lookup_corpus} was made for a vocabulary of {vocab} tokens; "
-                                 f"target {self.target} has {margs.vocab_size}")
-        if self.proposer in DRAFT_PROPOSERS:
-            try:
-                check_same_vocab(tokenizer, load_tokenizer(dsrc.path), self.target, self.draft)
-            except ModelLoadError as e:
-                raise ValueError(str(e)) from None
+            self.max_model_len = fit.draft_positions // 16 * 16  # derived: the draft's limit too

@@ -9,7 +9,8 @@ the output follows the target's distribution exactly (token for token under gree
 The layout follows vLLM v1: `engine` (`LLMEngine`, the loop in process) drives `round` (one round,
 written once) over a `scheduler`, a proposer from `proposers` (n-gram, draft model, EAGLE draft
 over the target's features in `eagle_draft`, hybrid) and the target side in `target_worker`,
-with `rejection_sampler` and `sampling` as pure functions. The Ray Serve deployments
+with `rejection_sampler` and `sampling` as pure functions; `checks` says whether a target, its
+draft and a lookup corpus fit together before any weights load. The Ray Serve deployments
 (`deployments`, `serve_app`) drive the same round against deployment handles; the offline tools
 (distillation, the benchmark) live in `specdec_tools`, which this package never imports.
 
@@ -29,11 +30,13 @@ _EXPORTS = {
     "DraftModelProposer": "specdec.proposers",
     "EagleProposer": "specdec.proposers",
     "HybridProposer": "specdec.proposers",
+    "check_models": "specdec.checks",
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
+    from specdec.checks import check_models
     from specdec.engine import EngineConfig, LLMEngine
     from specdec.proposers import DraftModelProposer, EagleProposer, HybridProposer, NgramProposer
     from specdec.sampling import SamplingParams

@@ -186,3 +186,30 @@ def test_vocabularies_are_checked_at_build(tmp_path, tiny_dir):
         (notok / name).write_bytes((tiny_dir / name).read_bytes())
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         AppArgs(target=str(notok), proposer="ngram", dtype="float32", lookup_corpus=None).validate_models()
+
+
+def test_the_engine_checks_a_pair_without_the_service(tiny_dir, tiny_draft_dir, tiny_eagle_dir):
+    """`specdec.check_models` (no Ray, no serve_app): what each draft's cache needs per position,
+    and the refusals the service's build reports come from it."""
+    from specdec import check_models
+    from transformers import AutoConfig
+    target = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_dir))
+    draft = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_draft_dir))
+    eagle = json.loads((tiny_eagle_dir / "config.json").read_text())
+    assert check_models(str(tiny_dir)).draft_kv_bytes == 0
+    fit = check_models(str(tiny_dir), str(tiny_eagle_dir), "hybrid", dtype="bfloat16")
+    assert fit.target == target and fit.draft_positions is None
+    assert fit.draft_kv_bytes == eagle["num_hidden_layers"] * 2 * eagle["num_key_value_heads"] * eagle["head_dim"] * 2
+    fit = check_models(str(tiny_dir), str(tiny_draft_dir), "draft")
+    assert (fit.draft_kv_bytes, fit.draft_positions) == (draft.kv_bytes_per_token(4), draft.max_position_embeddings)
+    assert check_models(str(tiny_dir), proposer="self", self_draft_layers=1).draft_kv_bytes == target.kv_bytes_per_token(4) // 2
+    with pytest.raises(ValueError, match="self_draft_layers=2 must be below the target's 2 layers"):
+        check_models(str(tiny_dir), proposer="self", self_draft_layers=2)
+    with pytest.raises(ValueError, match=f"tp=3 cannot shard target {tiny_dir}"):
+        check_models(str(tiny_dir), tp=3)
+    with pytest.raises(ValueError, match="needs an EAGLE-style draft"):
+        check_models(str(tiny_dir), str(tiny_draft_dir), "eagle")
+    with pytest.raises(ValueError, match="needs draft=PATH"):
+        check_models(str(tiny_dir), None, "hybrid")
+    with pytest.raises(ValueError, match="does not fit target"):  # trained for another hidden size
+        check_models(str(tiny_draft_dir), str(tiny_eagle_dir), "eagle")
