@@ -670,3 +670,10 @@ def test_the_readmes_gpu_config_builds_for_its_example_target(tmp_path, tiny_dir
     a = _app_args_cls()(**{**args, "target": str(target)})
     a.validate_models()
     assert a.max_model_len == args["max_model_len"]
+
+
+@pytest.mark.parametrize("name,rs", RAYSERVICES, ids=RS_IDS)
+def test_an_upgrade_keeps_the_old_cluster_while_its_streams_drain(name, rs):
+    """The old cluster outlives its traffic by as long as a stopped Router replica drains."""
+    from serve_app import constants
+    assert rs["spec"].get("rayClusterDeletionDelaySeconds", 60) >= constants.ROUTER_DRAIN_S
