@@ -155,7 +155,8 @@ METRICS: tuple[MetricSpec, ...] = (
                boundaries=_K),
     MetricSpec(BATCH_SIZE, "histogram", "Sequences per round.", boundaries=_BATCH),
     MetricSpec(TTFT, "histogram", "Time to first token, seconds.", boundaries=_SECONDS_TTFT),
-    MetricSpec(ITL, "histogram", "Time between consecutive tokens of a sequence, seconds.",
+    MetricSpec(ITL, "histogram", "Time between consecutive tokens of a sequence, seconds: a round's time over the "
+               "tokens it gave the sequence, one observation per sequence and round after its first.",
                boundaries=_SECONDS_FAST),
     MetricSpec(DRAFT_TIME, "histogram", "Draft proposal time per round (rounds with drafts), seconds.",
                boundaries=_SECONDS_FAST),
