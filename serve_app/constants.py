@@ -15,8 +15,6 @@ AUTO_PROPOSER_WITHOUT_DRAFT = "ngram"
 # How long a Router replica that Serve stops (a redeploy, a scale-in) may take to finish the streams
 # it serves before it is killed (Serve's default, 20 s, cut every longer answer without an end).
 ROUTER_DRAIN_S = float(os.environ.get("SPECDEC_ROUTER_DRAIN_S", "300"))
-# Default application name and HTTP route prefix.
-APP_NAME = os.environ.get("SPECDEC_APP_NAME", "specdec")
 
 
 def load_api_keys(*files: str | None) -> list[str]:
