@@ -151,6 +151,12 @@ class Lane:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
 
+def _held(lane: Lane) -> list[int]:
+    """Ids whose state the lane's current replicas may hold: its running rows and those that left
+    since its last call (finished or cancelled, their releases not yet sent)."""
+    return [s.seq_id for s in lane.scheduler.running] + list(lane.scheduler.to_release)
+
+
 class Batcher:
     """Queues sequences and runs lanes of speculative rounds over the Draft and Target
     deployments. Not a deployment itself: the Router deployment's ingress (serve_app/api.py) holds one."""
@@ -480,8 +486,7 @@ class Batcher:
                                                                         avoid=self._avoid(lane, "draft_pin")),
                                               timeout=self.cfg.draft_timeout_s)
             if lane.draft_pin and rid != lane.draft_pin:  # moved (rebalanced, or its replica left): free the old one's state
-                self._release_later(self.draft, lane.draft_pin,
-                                    [s.seq_id for s in lane.scheduler.running] + list(batch.release))
+                self._release_later(self.draft, lane.draft_pin, _held(lane) + list(batch.release))
             lane.draft_pin = rid
             return out, True
         except Exception as e:  # noqa: BLE001 - draft loss only costs speed: run a plain round
@@ -492,7 +497,7 @@ class Batcher:
             carried = list(batch.release)  # (the round's target call sends them to the target too: not cleared)
             if isinstance(e, asyncio.TimeoutError) and lane.draft_pin:
                 self._suspect(lane.draft_pin)
-                self._release_later(self.draft, lane.draft_pin, [s.seq_id for s in lane.scheduler.running] + carried)
+                self._release_later(self.draft, lane.draft_pin, _held(lane) + carried)
                 carried, lane.draft_pin = [], None
             log.warning("draft call failed (%r); lane runs without drafts for %.1fs", e, self.cfg.draft_backoff_s)
             kind = type(e).__name__
@@ -528,13 +533,17 @@ class Batcher:
                 lane.target_pin = rid
                 self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out
-            except asyncio.TimeoutError:  # e.g. no target replica came up: give up, keep the pin
+            except asyncio.TimeoutError:  # e.g. no target replica came up: give up
                 # A replica that did not answer in retry_deadline_s may be hung (alive, and healthy
-                # to Serve, until forward_timeout_s): new lanes avoid it while others can serve.
-                # (A slow forward and a hung one look alike before then: this lane does not move.)
+                # to Serve, until forward_timeout_s): new calls avoid it while others can serve.
+                # (A slow forward and a hung one look alike before then: the lane's rows fail
+                # rather than move.) The lane leaves it, so the queued requests it takes next start
+                # elsewhere; the replica frees the rows it held in the background.
                 self._suspect(lane.target_pin)
-                if release:  # the cancelled call may never have run there
-                    self._release_later(self.target, lane.target_pin, release)
+                held = release + (_held(lane) if lane.target_pin else [])  # (the call may never have run there)
+                if held:
+                    self._release_later(self.target, lane.target_pin, held)
+                lane.target_pin = None
                 self._fail_lane(lane, RequestFailed("target unavailable: no replica answered within "
                                                     f"{self.cfg.retry_deadline_s:g}s", 503))
                 return None
@@ -557,6 +566,9 @@ class Batcher:
                 release = []
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+            except BaseException:  # the lane fails (or is cancelled): its final flush sends what this call carried
+                lane.scheduler.to_release[:0] = release
+                raise
 
     def _release_later(self, handle, pin: str | None, ids: list[int]) -> None:
         """Deliver releases to replica `pin` of `handle` (Target or Draft) in the background,

@@ -707,3 +707,106 @@ async def test_a_lane_leaves_a_hung_draft_replica(tiny_dir):
         await b.wait(s)
     b.finish(s)
     assert len(s.output_ids) == 200 and drafts.calls["a"] == 3 and drafts.calls["b"] > 3 and "a" in b.suspects
+
+
+async def _outcome(b, s):
+    """A request's token count, or its error status."""
+    from deployments.batcher import RequestFailed
+    try:
+        while not s.finished:
+            await b.wait(s)
+        await b.wait(s)
+        return len(s.output_ids)
+    except RequestFailed as e:
+        return e.status
+    finally:
+        b.finish(s)
+
+
+@pytest.mark.asyncio
+async def test_queued_requests_do_not_follow_a_failed_lane_onto_its_hung_replica(tiny_dir):
+    """The lane whose Target call timed out takes the queued requests next: they start on the
+    other replica (before, the lane kept its pin on the hung one, and each queued request failed
+    after another retry_deadline_s), and the hung one is told to free the failed row."""
+    from deployments.batcher import Batcher
+    from specdec.sampling import SamplingParams
+    t = _TwoTargets(tiny_dir)
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": False, "max_model_len": 256, "batch_wait_timeout_s": 0,
+                 "plain_steps": 1, "retry_deadline_s": 1.0, "max_lanes": 1, "max_batch_size": 1}, None, t)
+    p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    seqs = [b.submit([prompt], [p])[0] for prompt in ([5, 6, 7], [8, 9, 10], [11, 12, 13])]  # 2 queued
+    outcomes = await asyncio.wait_for(asyncio.gather(*(_outcome(b, s) for s in seqs)), 20)
+    assert outcomes == [503, 20, 20] and t.calls["a"] == 4 and "a" in b.suspects
+    assert all(len(w.table) == 0 for w in t.workers.values())  # (the release to "a" is the worker's own call)
+
+
+@pytest.mark.asyncio
+async def test_a_sequence_cancelled_during_a_draft_call_that_times_out_is_freed_there(tiny_dir, tiny_draft_dir):
+    """A client leaves while its lane's Draft call is in flight, and the call then times out: the
+    slow replica frees the cancelled row's slot too (before, only the rows still running were
+    released there; the cancelled one's release went to the next replica)."""
+    import torch
+
+    from deployments.batcher import Batcher
+    from fake_handles import FakeTarget, Method
+    from specdec.loader import load_model
+    from specdec.proposers import build_proposer
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    class TwoDrafts:  # "a" computes its third proposal (slots taken) but answers after 1 s
+        def __init__(self):
+            self.p = {n: build_proposer("draft", draft=str(tiny_draft_dir), num_slots=8, max_model_len=256) for n in "ab"}
+            self.calls, self.slow = {"a": 0, "b": 0}, asyncio.Event()
+            self.propose, self.release = Method(self._propose), Method(self._release)
+
+        def options(self, **_):
+            return self
+
+        async def _propose(self, batch, pin=None, avoid=None):
+            name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+            self.calls[name] += 1
+            out = self.p[name].propose(batch)
+            if name == "a" and self.calls["a"] == 3:
+                self.slow.set()
+                await asyncio.sleep(1.0)
+            return name, out
+
+        async def _release(self, ids, pin=None):
+            for n, p in self.p.items():
+                if pin in (None, n):
+                    p.release(ids)
+
+    d = TwoDrafts()
+    target = FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256))
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 256, "batch_wait_timeout_s": 0,
+                 "adaptive": False, "num_speculative_tokens": 2, "draft_timeout_s": 0.3, "draft_backoff_s": 0.05,
+                 "plain_steps": 1, "max_batch_size": 2, "max_lanes": 1}, d, target)
+    p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    keep, cancel = (b.submit([prompt], [p])[0] for prompt in ([5, 6, 7, 5, 6], [9, 8, 7, 9, 8]))
+    await asyncio.wait_for(d.slow.wait(), 10)
+    assert cancel.seq_id in d.p["a"].table.seqs
+    b.finish(cancel)  # the client disconnects mid-call
+    assert await asyncio.wait_for(_outcome(b, keep), 20) == 60
+    await _drain(b, [])
+    await asyncio.sleep(1.0)  # the slow call ends too
+    assert "a" in b.suspects and not d.p["a"].table.seqs and not d.p["b"].table.seqs
+    assert len(target.worker.table) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_target_call_that_fails_keeps_the_releases_it_carried(tiny_dir):
+    """A Target call that fails with an application error before the replica ran it (a transport
+    error, say) fails its lane (500); the finished sequence's release it carried is sent with the
+    lane's final flush (before, it was lost and the slot stayed taken)."""
+    from fake_handles import FakeTarget
+    from specdec.sampling import SamplingParams
+    worker = _new_worker(tiny_dir)
+    target = FakeTarget(worker, fail_from=4)  # calls 1-3 run, the 4th (carrying the release) raises
+    b = _batcher(tiny_dir, target, plain_steps=1, max_batch_size=2, max_lanes=1)
+    short, long = (b.submit([prompt], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)])[0]
+                   for prompt, n in (([5, 6, 7], 3), ([8, 9, 10], 50)))
+    assert [await _outcome(b, short), await _outcome(b, long)] == [3, 500]
+    await _drain(b, [])
+    await asyncio.sleep(0.3)  # (a lane leaves `lanes` before its final releases are awaited)
+    assert len(worker.table) == 0
