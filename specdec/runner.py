@@ -27,7 +27,8 @@ class CacheFullError(RuntimeError):
 @dataclass
 class SlotState:
     slot: int
-    tokens: list[int] = field(default_factory=list)  # confirmed tokens of the sequence
+    tokens: list[int] = field(default_factory=list)  # confirmed tokens, then a proposer's tentative drafts
+    confirmed: int = 0  # tokens[:confirmed] came from a sync (the rest are this replica's own drafts)
     cached: int = 0  # positions [0, cached) of the slot hold valid keys/values
     used: float = field(default_factory=time.monotonic)  # when a round last synced it
 
@@ -95,14 +96,18 @@ class SlotTable:
 
         Tokens the table held past `offset` (a proposer's tentative drafts) are replaced; cached
         positions stay valid as far as the old and new tokens agree. Returns None when the
-        sequence cannot be continued at `offset` (unknown, or a gap): report it unknown.
+        sequence cannot be continued at `offset` (unknown, or a gap): report it unknown. An offset
+        past the confirmed tokens is a gap too: a router that moved its lane away and back (before
+        this replica applied the release it sent) counts tokens another replica confirmed, and
+        this one's tentative drafts must not pass for them.
         """
         if offset == 0:
             st = self.allocate(seq_id)
             st.tokens = list(new_tokens)
+            st.confirmed = len(st.tokens)
             return st
         st = self.seqs.get(seq_id)
-        if st is None or len(st.tokens) < offset:
+        if st is None or st.confirmed < offset:
             return None
         st.used = time.monotonic()
         tail = st.tokens[offset:]
@@ -113,6 +118,7 @@ class SlotTable:
             common += 1
         del st.tokens[offset:]
         st.tokens.extend(new_tokens)
+        st.confirmed = len(st.tokens)
         st.cached = min(st.cached, offset + common)
         return st
 

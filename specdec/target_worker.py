@@ -334,6 +334,7 @@ class TargetWorker:
                 emitted.append(int(logits_rows[r][-1].argmax()))
                 out.sibling_accepted += 1
             st.tokens.extend(emitted)
+            st.confirmed = len(st.tokens)  # (the target's own tokens: confirmed)
             out.tokens[i] += emitted
             out.num_accepted[i] += m
             if hidden_rows is not None:  # features of every position now confirmed but the last

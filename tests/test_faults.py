@@ -810,3 +810,26 @@ async def test_a_target_call_that_fails_keeps_the_releases_it_carried(tiny_dir):
     await _drain(b, [])
     await asyncio.sleep(0.3)  # (a lane leaves `lanes` before its final releases are awaited)
     assert len(worker.table) == 0
+
+
+def test_a_draft_replica_never_takes_its_own_drafts_for_confirmed_tokens(tiny_draft_dir):
+    """A lane that left a Draft replica and came back before the release it sent there arrived
+    sends an offset counting tokens another replica confirmed: past this replica's confirmed
+    tokens, where it holds its own tentative drafts. The row is unknown there (re-prefilled);
+    before, the drafts passed for context and every later draft of the row was drawn from it."""
+    import torch
+
+    from specdec.loader import load_model
+    from specdec.metadata import SpecBatch
+    from specdec.proposers.draft_model import DraftModelProposer
+
+    def batch(offset, new, k=3):
+        return SpecBatch([7], [offset], [new], [k], torch.zeros(1), torch.zeros(1, dtype=torch.long),
+                         torch.ones(1), torch.zeros(1, 3, k + 1, dtype=torch.float64))
+
+    d = DraftModelProposer(load_model(tiny_draft_dir, dtype=torch.float32), 4, 256)
+    prompt = [11, 42, 7, 99, 5, 300, 17]
+    first = d.propose(batch(0, prompt))
+    assert d.table[7].tokens == prompt + first.tokens[0, :2].tolist()  # two tentative drafts held
+    assert d.propose(batch(len(prompt) + 2, [24])).unknown == [0]  # (two tokens confirmed elsewhere)
+    assert d.propose(batch(len(prompt), [24, 24, 24])).unknown == []  # at its own confirmed length: fine
