@@ -661,6 +661,32 @@ async def test_new_lanes_avoid_a_target_replica_that_did_not_answer(tiny_dir):
     assert outcomes == [503, 20] and "a" in b.suspects and t.calls["a"] == 4 and t.calls["b"] > 0
 
 
+class _TwoDrafts:
+    """Two in-process Draft replicas behind a handle that routes like the affinity router (the
+    pin, else the first replica not avoided); `stall(name, call)` is awaited after a call's
+    proposal is computed (its slots taken), before it answers."""
+
+    def __init__(self, make, stall):
+        self.p = {n: make() for n in "ab"}
+        self.calls, self.stall = {"a": 0, "b": 0}, stall
+        self.propose, self.release = _Method(self._propose), _Method(self._release)
+
+    def options(self, **_):
+        return self
+
+    async def _propose(self, batch, pin=None, avoid=None):
+        name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+        self.calls[name] += 1
+        out = self.p[name].propose(batch)
+        await self.stall(name, self.calls[name])
+        return name, out
+
+    async def _release(self, ids, pin=None):
+        for n, p in self.p.items():
+            if pin in (None, n):
+                p.release(ids)
+
+
 @pytest.mark.asyncio
 async def test_a_lane_leaves_a_hung_draft_replica(tiny_dir):
     """A Draft replica whose proposal hangs: after the draft timeout the lane drops its pin (and
@@ -669,34 +695,17 @@ async def test_a_lane_leaves_a_hung_draft_replica(tiny_dir):
     import torch
 
     from deployments.batcher import Batcher
-    from fake_handles import FakeTarget, Method
+    from fake_handles import FakeTarget
     from specdec.loader import load_model
     from specdec.proposers.ngram import NgramProposer
     from specdec.sampling import SamplingParams
     from specdec.target_worker import TargetWorker
 
-    class TwoDrafts:
-        def __init__(self):
-            self.proposers = {n: NgramProposer(min_n=1, max_n=3) for n in "ab"}
-            self.calls = {"a": 0, "b": 0}
-            self.propose, self.release = Method(self._propose), Method(self._release)
+    async def hang(name, call):
+        if name == "a" and call > 2:
+            await asyncio.Event().wait()
 
-        def options(self, **_):
-            return self
-
-        async def _propose(self, batch, pin=None, avoid=None):
-            name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
-            self.calls[name] += 1
-            if name == "a" and self.calls["a"] > 2:
-                await asyncio.Event().wait()
-            return name, self.proposers[name].propose(batch)
-
-        async def _release(self, ids, pin=None):
-            for n, p in self.proposers.items():
-                if pin in (None, n):
-                    p.release(ids)
-
-    drafts = TwoDrafts()
+    drafts = _TwoDrafts(lambda: NgramProposer(min_n=1, max_n=3), hang)
     target = FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256))
     b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 256, "batch_wait_timeout_s": 0,
                  "adaptive": False, "num_speculative_tokens": 2, "draft_timeout_s": 0.3, "draft_backoff_s": 0.05,
@@ -748,43 +757,27 @@ async def test_a_sequence_cancelled_during_a_draft_call_that_times_out_is_freed_
     import torch
 
     from deployments.batcher import Batcher
-    from fake_handles import FakeTarget, Method
+    from fake_handles import FakeTarget
     from specdec.loader import load_model
     from specdec.proposers import build_proposer
     from specdec.sampling import SamplingParams
     from specdec.target_worker import TargetWorker
 
-    class TwoDrafts:  # "a" computes its third proposal (slots taken) but answers after 1 s
-        def __init__(self):
-            self.p = {n: build_proposer("draft", draft=str(tiny_draft_dir), num_slots=8, max_model_len=256) for n in "ab"}
-            self.calls, self.slow = {"a": 0, "b": 0}, asyncio.Event()
-            self.propose, self.release = Method(self._propose), Method(self._release)
+    slow = asyncio.Event()
 
-        def options(self, **_):
-            return self
+    async def stall(name, call):  # "a" computes its third proposal (slots taken) but answers after 1 s
+        if name == "a" and call == 3:
+            slow.set()
+            await asyncio.sleep(1.0)
 
-        async def _propose(self, batch, pin=None, avoid=None):
-            name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
-            self.calls[name] += 1
-            out = self.p[name].propose(batch)
-            if name == "a" and self.calls["a"] == 3:
-                self.slow.set()
-                await asyncio.sleep(1.0)
-            return name, out
-
-        async def _release(self, ids, pin=None):
-            for n, p in self.p.items():
-                if pin in (None, n):
-                    p.release(ids)
-
-    d = TwoDrafts()
+    d = _TwoDrafts(lambda: build_proposer("draft", draft=str(tiny_draft_dir), num_slots=8, max_model_len=256), stall)
     target = FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256))
     b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 256, "batch_wait_timeout_s": 0,
                  "adaptive": False, "num_speculative_tokens": 2, "draft_timeout_s": 0.3, "draft_backoff_s": 0.05,
                  "plain_steps": 1, "max_batch_size": 2, "max_lanes": 1}, d, target)
     p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     keep, cancel = (b.submit([prompt], [p])[0] for prompt in ([5, 6, 7, 5, 6], [9, 8, 7, 9, 8]))
-    await asyncio.wait_for(d.slow.wait(), 10)
+    await asyncio.wait_for(slow.wait(), 10)
     assert cancel.seq_id in d.p["a"].table.seqs
     b.finish(cancel)  # the client disconnects mid-call
     assert await asyncio.wait_for(_outcome(b, keep), 20) == 60
