@@ -206,6 +206,9 @@ class Batcher:
         if cfg.max_batch_size > self.built_batch_size:
             raise ValueError(f"max_batch_size can only be lowered at runtime: the replicas' KV caches hold "
                              f"{self.built_batch_size} rows per lane (rebuild the app to raise it)")
+        if user_config.get("num_speculative_tokens") and not (self.built.speculate and self.draft is not None):
+            raise ValueError("num_speculative_tokens > 0 has no effect: the app was built without speculation "
+                             "(proposer=none or num_speculative_tokens=0, so no Draft deployment); rebuild it to speculate")
         self.cfg = cfg
         for lane in self.lanes:
             lane.scheduler.set_config(self._sched_cfg())

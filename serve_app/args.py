@@ -68,20 +68,22 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     autoscaling_policy_kwargs: dict = Field(default_factory=dict, description="Overrides of serve_app.autoscaling.AutoscalingParams (capacities, thresholds, delays).")
     lookup_corpus: str | None = Field("auto", description="Corpus of the target's own answers to other questions (specdec.corpus; an .npz file made by specdec-corpus, or a shipped corpus's name) that continues prompt-lookup drafts in multi-step plain rounds, so they find tokens before an answer repeats itself; the output stays plain decoding's. 'auto': the corpus shipped for the target (the demo target: 'smollm2-corpus'), none otherwise; None: prompt lookup alone.")
     draft_in_target: bool = Field(True, description="With an EAGLE-style draft and tp=1 (the default app), the Target replica also holds a copy of the draft (~10 MB beside the target's shared embedding and head) and, in multi-step plain rounds, drafts draft_in_target_k tokens per step for rows that prompt lookup finds nothing for, checked against plain decoding's own draws like any lookup, so output stays plain decoding's; no Draft call and no feature transfer for those rounds. In process, bf16, batch 1, 64 tokens (bench/draft_in_target.py), over plain decoding: greedy 1.25x with lookups alone -> 1.43x with the in-target draft, T = 0.7 1.17x -> 1.32x, T = 1.0 1.02x -> 1.05x; through HTTP at concurrency 1, greedy spec/off 1.24-1.28x -> 1.39-1.41x (BENCHMARKS.md).")
-    draft_in_target_k: int = Field(2, ge=1, le=8, description="Draft tokens per sampled row and step of the in-target draft (draft_in_target). With prepacked weights, in process at batch 1, 3 against 2: T 0.7 1.40x vs 1.40x, T 1.0 1.29x vs 1.27x (16 task questions) and 1.31x vs 1.35x (8 fresh ones).")
-    draft_in_target_greedy_k: int = Field(3, ge=1, le=8, description="Draft tokens per greedy row and step of the in-target draft: a greedy row accepts more of a chain. 3 against 2, in process at batch 1 with prepacked weights: 1.72x vs 1.68x over plain decoding (16 task questions), 1.53x vs 1.45x (8 fresh ones; bench/draft_in_target.py).")
+    draft_in_target_k: int = Field(2, ge=1, le=8, description="Draft tokens per sampled row and step of the in-target draft (draft_in_target); like prompt lookups, at most lookup_k per row in rounds of several rows (max(lookup_k, ngram_k) at batch 1), and none above lookup_max_batch rows. With prepacked weights, in process at batch 1, 3 against 2: T 0.7 1.40x vs 1.40x, T 1.0 1.29x vs 1.27x (16 task questions) and 1.31x vs 1.35x (8 fresh ones).")
+    draft_in_target_greedy_k: int = Field(3, ge=1, le=8, description="Draft tokens per greedy row and step of the in-target draft: a greedy row accepts more of a chain (capped as draft_in_target_k is). 3 against 2, in process at batch 1 with prepacked weights: 1.72x vs 1.68x over plain decoding (16 task questions), 1.53x vs 1.45x (8 fresh ones; bench/draft_in_target.py).")
     compile: bool = Field(False, description="Compile the target's layer stack when a target replica starts (TargetConfig.compile; CPU, tp=1): a bf16 step of the demo target ~22 ms instead of ~32, after minutes of compiling the first time.")
     lanes_per_target: int = Field(2, ge=1, description="Running batches (lanes) one target replica holds KV caches for, over all routers.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API limits and security.")
-    tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables.")
+    tracing: TracingConfig | None = Field(None, description="OpenTelemetry tracing for every process of the app; None: from the standard OTel / SPECDEC_TRACING_* environment variables; 'none' on the command line: off.")
 
     @model_validator(mode="before")
     @classmethod
     def _parse_cli_strings(cls, data):
         """`serve run ... api={"max_n":8}` passes strings: parse JSON for nested fields."""
-        for key in ("draft", "lookup_corpus", "tracing"):
+        for key in ("draft", "lookup_corpus"):
             if isinstance(data, dict) and data.get(key) in ("", "none", "None"):
                 data = {**data, key: None}
+        if isinstance(data, dict) and data.get("tracing") in ("none", "None"):  # no tracing (not: from the environment)
+            data = {**data, "tracing": {"exporter": "none"}}
         for key in ("api", "tracing", "autoscaling_policy_kwargs"):
             if isinstance(data, dict) and isinstance(data.get(key), str):
                 data = {**data, key: json.loads(data[key])}

@@ -80,13 +80,16 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
             health_check_period_s=2, health_check_timeout_s=30,
             **_scaling(a, "Draft", a.draft_replicas, a.max_draft_replicas),
         ).bind(dcfg.model_dump())
+    rcfg = a.router_config()
     router = serve.deployment(
         OpenAIIngress, name="Router", ray_actor_options=_actor_options(a, a.router_cpus),
         # The router sheds load itself (503 + Retry-After, OpenAI body) when its lanes and queue are
-        # full; Serve's own queue at the proxy is the last guard against a flood of connections.
-        max_ongoing_requests=max(64, a.max_queued_sequences), max_queued_requests=max(64, 4 * a.max_queued_sequences),
+        # full, so Serve lets in as many requests as a replica has rows and queue (n = 1 each); Serve's
+        # own queue at the proxy is the last guard against a flood of connections.
+        max_ongoing_requests=max(64, rcfg.max_lanes * a.max_batch_size + a.max_queued_sequences),
+        max_queued_requests=max(64, 4 * a.max_queued_sequences),
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=constants.ROUTER_DRAIN_S,
         **_scaling(a, "Router", a.router_replicas, a.max_router_replicas),
-    ).bind(a.router_config().model_dump(), a.api.model_dump(), draft, target)
+    ).bind(rcfg.model_dump(), a.api.model_dump(), draft, target)
     return router

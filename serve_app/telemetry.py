@@ -62,6 +62,8 @@ class TracingConfig(BaseModel):
     def _path_for_jsonl(self) -> "TracingConfig":
         if self.exporter == "jsonl" and not self.path:
             raise ValueError("exporter 'jsonl' needs a path")
+        if self.exporter == "jsonl" and (self.path.endswith(os.sep) or os.path.isdir(self.path)):
+            raise ValueError(f"tracing path {self.path} is a directory; give the file spans are appended to")
         return self
 
     @classmethod

@@ -137,7 +137,8 @@ def test_command_line_strings_parse(short_dir):
     for no tracing, and no infinite values (a lane waiting "inf" seconds never runs)."""
     a = AppArgs(target=str(short_dir), proposer="ngram", autoscaling="true",
                 autoscaling_policy_kwargs='{"target_tokens_per_s": 50}', tracing="none")
-    assert a.autoscaling_policy_kwargs == {"target_tokens_per_s": 50.0} and a.tracing is None
+    assert a.autoscaling_policy_kwargs == {"target_tokens_per_s": 50.0} and a.tracing.exporter == "none"
+    assert a.tracing_env()["SPECDEC_TRACING_EXPORTER"] == "none"  # (None would read the environment's OTel settings)
     for bad in ({"batch_wait_timeout_s": "inf"}, {"kv_cache_memory_gib": "inf"}):
         with pytest.raises(ValueError):
             AppArgs(target=str(short_dir), proposer="ngram", **bad)

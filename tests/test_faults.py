@@ -606,6 +606,9 @@ def test_reconfigure_validates_before_it_applies(tiny_dir):
     batcher.reconfigure({"max_batch_size": 2})
     batcher.reconfigure({})  # as a replica started with this user_config
     assert batcher.cfg == batcher.built and batcher.cfg.max_batch_size == 4
+    with pytest.raises(ValueError, match="built without speculation"):  # no Draft deployment: nothing to turn on
+        batcher.reconfigure({"num_speculative_tokens": 4})
+    batcher.reconfigure({"num_speculative_tokens": 0})
 
 
 class _TwoTargets:

@@ -64,6 +64,16 @@ def test_builder_gives_the_draft_a_health_check(tiny_dir, tiny_draft_dir):
     assert deployments["Router"]._deployment_config.graceful_shutdown_timeout_s >= 300
 
 
+def test_the_router_lets_in_as_many_requests_as_it_has_rows_and_queue(tiny_dir):
+    """Serve's own admission (max_ongoing_requests) must not refuse requests the Router has rows
+    for: 40 rows x 2 lanes, no queue, took only 64 at once (the rest waited in Serve's queue)."""
+    from serve_app.builder import build_app
+    app = build_app({"target": str(tiny_dir), "proposer": "ngram", "max_model_len": 64, "max_batch_size": 40,
+                     "lanes_per_target": 2, "max_queued_sequences": 0, "kv_cache_memory_gib": 1})
+    router = {d.name: d for d in _deployments(app)}["Router"]
+    assert router._deployment_config.max_ongoing_requests >= 80
+
+
 def _deployments(app):
     """The deployments under an application's ingress (Ray 2.60's bound graph)."""
     out, todo = [], [app]

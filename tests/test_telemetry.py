@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -178,6 +179,8 @@ def test_from_env_picks_the_exporter_and_leaves_the_rest_to_the_sdk():
     assert TracingConfig.from_env({"OTEL_TRACES_EXPORTER": "zipkin,console"}).exporter == "console"
     with pytest.raises(ValueError):
         TracingConfig(exporter="jsonl")
+    with pytest.raises(ValueError, match="is a directory"):  # (every replica failed to start on it)
+        TracingConfig(exporter="jsonl", path=tempfile.gettempdir())
     with pytest.raises(ValueError):
         TracingConfig(exporter="otlp", sampling_ratio=1.5)
 
