@@ -469,9 +469,12 @@ class Batcher:
         return used if not pin or (attr == "draft_pin" and pin in used) else []
 
     def _suspect(self, rid: str | None) -> None:
-        """A call timed out on replica `rid` (it may be hung): new calls avoid it for SUSPECT_S."""
+        """A call timed out on replica `rid` (it may be hung): new calls avoid it for SUSPECT_S
+        (expired entries go: replicas come and go over days)."""
         if rid:
-            self.suspects[rid] = time.monotonic() + SUSPECT_S
+            now = time.monotonic()
+            self.suspects = {r: until for r, until in self.suspects.items() if until > now}
+            self.suspects[rid] = now + SUSPECT_S
 
     async def _propose(self, lane: Lane, batch) -> tuple[DraftOutput, bool]:
         if self.draft is None or batch.max_draft == 0 or time.monotonic() < lane.draft_down_until:

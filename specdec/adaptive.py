@@ -216,6 +216,13 @@ class CostModel:
         b = self.bucket(batch)
         return self.throughput[(b, True)][4] > self.throughput[(b, False)][4]
 
+    def win_floor(self, batch: int) -> float:
+        """Tokens per target forward that a drafting row must expect to share this bucket's measured
+        win: a plain row's as measured (1, or more with multi-step lookups), times `win_margin`."""
+        rec = self.throughput.get((self.bucket(batch), False))
+        per_row = rec[4] * rec[2] / rec[3] if rec and rec[3] else 1.0  # (tokens per forward of a round / its rows)
+        return self.win_margin * per_row
+
     def throttle(self, batch: int) -> bool:
         """True: plan this round plain (speculation measurably loses at this bucket); every
         `throttle_probe_every`-th such round is let through to re-measure speculation."""
@@ -439,13 +446,17 @@ class AdaptiveK:
         return self.off_rounds + 1 >= self.cfg.probe_interval
 
     def choose(self, cost: CostModel, has_model: bool = True, batch: int = 1, k_max: int | None = None,
-               measured_win: bool = False, probe: bool = True) -> int:
+               measured_win: bool = False, probe: bool = True, win_floor: float = 1.0) -> int:
         """k for the next round, at most `k_max` (the live cap; no state change: `update` records
-        what ran). `measured_win`: speculative rounds measurably win here, whatever the model says.
+        what ran). `measured_win`: speculative rounds measurably win at this batch size, whatever
+        the model says; a row shares that win only if its own drafts are expected to emit more
+        than `win_floor` tokens per target forward (a row whose drafts are never accepted, in a
+        batch or a lane beside rows whose drafts are, would otherwise draft in every round).
         `probe`: a due probe may run this round (False: it waits for the batch's probing round)."""
         k, s = self.best(cost, has_model, batch=batch, k_max=k_max)
         if k > 0 and s > self.cfg.min_speedup:
             return k
-        if measured_win or (probe and self.probe_due):
-            return self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
+        k = self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
+        if (probe and self.probe_due) or (measured_win and expected_tokens(self.acceptance, k) > win_floor):
+            return k
         return 0

@@ -55,7 +55,7 @@ class RoundPlan:
     seqs: list[Sequence]
     draft_batch: SpecBatch
     prefill: bool = False  # some row brings a prompt (or a resent context): timings are not a step's
-    catch_up: bool = False  # a drafting round after plain ones: the draft catches up on their tokens
+    catch_up: bool = False  # a drafting round after plain ones (or a row's restarted draft context): the draft catches up
 
 
 class Scheduler:
@@ -135,8 +135,9 @@ class Scheduler:
         elif self.cfg.adaptive:
             if calibrate or throttle or self.prefilling(seq):
                 return 0  # calibration: measures t(B, 0); throttle: speculation measurably loses here; `prefilling`
-            k = seq.adaptive.choose(self.cost, self.proposer_has_model, batch, k_max=self.cfg.k_max,
-                                    measured_win=self.cost.speculation_wins(batch), probe=probe)
+            wins = self.cost.speculation_wins(batch)
+            k = seq.adaptive.choose(self.cost, self.proposer_has_model, batch, k_max=self.cfg.k_max, measured_win=wins,
+                                    probe=probe, win_floor=self.cost.win_floor(batch) if wins else 1.0)
         else:
             k = self.cfg.k_max
         return max(0, min(k, self.cfg.k_max, seq.remaining - 1))
@@ -168,7 +169,8 @@ class Scheduler:
             self.cost.cannot_pay(B, self.cfg.k_max, self.proposer_has_model) or self.cost.throttle(B))
         ks = self._choose_ks(seqs, calibrate, throttle)
         K = max(ks)
-        catch_up = K > 0 and self.plain_run > 0
+        # (a row whose draft context restarts, after a Draft outage or an unknown row, sends it whole)
+        catch_up = K > 0 and (self.plain_run > 0 or any(s.draft_offset == 0 for s in seqs))
         self.plain_run = 0 if K else self.plain_run + 1
         steps = self._plain_steps(seqs, prefill) if K == 0 else None
         small = B <= self.cfg.lookup_max_batch  # prompt lookup pays in small rounds only

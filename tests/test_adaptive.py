@@ -518,3 +518,44 @@ def test_a_round_whose_rows_the_target_did_not_hold_measures_nothing():
     verify.unknown = [0]
     sched.commit(plan, draft, verify, 0.001 * k, 0.001, 0.003, drafted=k > 0)
     assert (dict(cost.target), {k: list(v) for k, v in cost.throughput.items()}, cost.rounds) == before
+
+
+def test_a_measured_win_lifts_only_rows_whose_own_drafts_are_accepted():
+    """Speculative rounds measurably win at this batch size (lanes share the measurement), yet a
+    row whose drafts are never accepted does not share the win: it stays plain, while a row whose
+    drafts are accepted speculates though the model prices drafting as dear. Before, the row with
+    acceptance 0 drafted in every round (a lane of such rows beside a lane that wins: -28%)."""
+    cost = CostModel(throughput_min_rows=2)
+    for _ in range(4):
+        cost.observe_throughput(1, False, 1, 0.05)
+        cost.observe_throughput(1, True, 3, 0.01)
+    cost.observe(0, 0.0, 0, 0.05)
+    cost.observe(1, 0.2, 1, 0.05)  # a draft step priced at 4 target steps: the model says no
+    assert cost.speculation_wins(1) and cost.win_floor(1) == pytest.approx(cost.win_margin)
+    dead, live = (AdaptiveK(AdaptiveConfig(k_max=4)) for _ in range(2))
+    dead.succ, dead.trials, live.succ, live.trials = 0.0, 10.0, 8.0, 10.0
+    assert live.choose(cost, measured_win=False, probe=False) == 0  # the model alone: off
+    assert live.choose(cost, measured_win=True, probe=False, win_floor=cost.win_floor(1)) >= 1
+    assert dead.choose(cost, measured_win=True, probe=False, win_floor=cost.win_floor(1)) == 0
+
+
+def test_a_draft_context_that_restarts_is_a_catch_up():
+    """After a Draft outage (the Batcher resets every row's draft offset) or a row the Draft
+    replica lost, the next drafting round sends whole contexts: its draft time is no step's. Before,
+    it was charged as one (a 0.5 s re-read of 4 rows made a 3 ms step look like 31 ms) and kept
+    speculation off for good after a 5 s outage."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=2, k_max=2, adaptive=False))
+    for _ in range(2):
+        sched.add(_seq(temperature=0))
+    catch_ups = []
+    for r in range(4):
+        if r == 3:
+            for s in sched.running:
+                s.draft_offset = 0  # (deployments.batcher: a failed Draft call)
+        plan = sched.plan()
+        catch_ups.append(plan.catch_up)
+        ks = plan.draft_batch.num_draft
+        draft = DraftOutput(torch.full((2, max(ks)), 7), list(ks), draft_steps=max(ks))
+        sched.target_batch(plan, draft)
+        sched.commit(plan, draft, VerifyOutput([[7] * (k + 1) for k in ks], list(ks)), 0.01, 0.05, 0.06)
+    assert catch_ups == [True, False, False, True]  # (the first round: new rows' whole prompts)

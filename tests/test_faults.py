@@ -808,6 +808,14 @@ async def test_a_target_call_that_fails_keeps_the_releases_it_carried(tiny_dir):
     assert len(worker.table) == 0
 
 
+def test_suspected_replicas_are_forgotten_once_their_time_is_up(tiny_dir):
+    import time
+    b = _batcher(tiny_dir, _FakeTarget())
+    b.suspects = {"gone": time.monotonic() - 1, "recent": time.monotonic() + 30}
+    b._suspect("new")
+    assert set(b.suspects) == {"recent", "new"}
+
+
 def test_a_draft_replica_never_takes_its_own_drafts_for_confirmed_tokens(tiny_draft_dir):
     """A lane that left a Draft replica and came back before the release it sent there arrived
     sends an offset counting tokens another replica confirmed: past this replica's confirmed
