@@ -714,6 +714,9 @@ class Transformer(nn.Module):
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
         rot = getattr(getattr(hf_model, "model", hf_model), "rotary_emb", None)
         if rot is not None:  # any rope variant transformers supports (llama3, yarn, ...)
+            if 2 * rot.inv_freq.numel() != model.args.head_dim:  # (a partial_rotary_factor with such a variant)
+                raise ValueError(f"rotary frequencies cover {2 * rot.inv_freq.numel()} of the head's {model.args.head_dim} "
+                                 "dimensions (partial rotary embeddings are not implemented)")
             model.inv_freq = rot.inv_freq.detach().float().clone()
             model.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
         if dtype is not None:

@@ -45,6 +45,9 @@ class TargetWorker:
         if window and max_model_len > window:
             raise ValueError(f"max_model_len {max_model_len} exceeds the target's sliding-window span of {window} "
                              "positions (sliding-window attention is not implemented)")
+        if max_model_len > model.args.max_position_embeddings:  # (past it, logits differ: e.g. dynamic or LongRoPE scaling)
+            raise ValueError(f"max_model_len {max_model_len} exceeds the {model.args.max_position_embeddings} positions "
+                             "the target computes exactly")
         self.model = model
         self.corpus = corpus  # lookups continue from the target's answers to other questions
         self.max_model_len = max_model_len

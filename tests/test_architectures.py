@@ -159,6 +159,20 @@ def test_longrope_is_capped_at_its_original_length(tmp_path):
     assert args.max_model_len == 64
     with pytest.raises(ValueError, match="exceeds the target's 64 positions"):
         AppArgs(target=str(path), proposer="ngram", dtype="float32", max_model_len=128).validate_models()
+    # the engine on its own refuses it too (it computed logits 0.012 off transformers' past 64)
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    with pytest.raises(ValueError, match="exceeds the 64 positions the target computes exactly"):
+        TargetWorker(load_model(path), 1, 128)
+
+
+def test_partial_rotary_with_a_scaled_rope_is_refused_at_load(tmp_path):
+    """Rotary frequencies over half the head (partial_rotary_factor with a non-default rope type)
+    loaded and then failed at the first forward; refused when loading instead."""
+    from specdec.loader import load_model
+    path = _checkpoint(tmp_path, "llama", partial_rotary_factor=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="partial rotary embeddings are not implemented"):
+        load_model(path)
 
 
 def test_vocabularies_are_checked_at_build(tmp_path, tiny_dir):
