@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -48,8 +49,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # (NaN fails too: it sampled as 1, and inf uniformly)
+            raise ValueError("temperature must be finite and >= 0")
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0  # greedy: a tiny temperature would overflow the logits
         if not 0 < self.top_p <= 1:
@@ -75,7 +76,9 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if need_k:
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
-        mask |= torch.arange(V, device=logits.device)[None, :] >= k[:, None]
+        # every token tied with the k-th survives (as in vLLM and transformers): ties are common
+        # in bf16 logits, and which of them a positional cut kept was the sort's choice
+        mask |= sorted_logits < sorted_logits.gather(-1, (k - 1)[:, None])
     if need_p:
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
         cum_before = probs.cumsum(-1) - probs  # mass strictly before each token

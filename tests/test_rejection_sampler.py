@@ -44,6 +44,21 @@ def test_top_k_top_p_masks():
     assert torch.isfinite(kept[:2]).all() and torch.isinf(kept[2:]).all()  # 0.5 + 0.3 reaches 0.7
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """As vLLM and transformers do: [2, 1, 1, 1, 0] at top_k 2 keeps the three 1s (bf16 logits tie
+    often); a positional cut kept one of them, whichever the sort put first."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    probs = logits_to_probs(logits, torch.ones(1), torch.tensor([2]), torch.ones(1))[0]
+    assert torch.allclose(probs, torch.softmax(torch.tensor([2.0, 1.0, 1.0, 1.0, float("-inf")]), -1))
+
+
+def test_a_temperature_that_is_not_finite_is_refused():
+    from specdec.sampling import SamplingParams
+    for t in (float("nan"), float("inf")):  # (NaN sampled at 1; inf uniformly, or a masked token)
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=t)
+
+
 def test_a_row_without_top_p_is_not_masked_by_its_batch():
     """A peaked row (its float32 cumulative mass reaches 1.0 before the tail) keeps its tail at
     top_p = 1, whether or not another row of the batch uses top-p."""
