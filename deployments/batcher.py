@@ -444,15 +444,16 @@ class Batcher:
 
     def _account(self, r: RoundResult) -> None:
         """Router-wide rates and metrics of a round (its statistics went to the shared SpecStats)."""
-        plan, draft, verify, emitted = r.plan, r.draft, r.verify, r.emitted
+        plan, draft, verify = r.plan, r.draft, r.verify
         draft_s, target_s, round_s = r.draft_s, r.target_s, r.round_s
         self.resyncs["draft"] += len(draft.unknown)
         self.resyncs["target"] += len(verify.unknown)
         if self.metrics:
-            self.metrics.record_round(len(plan.seqs), r.judged_drafts, list(verify.num_accepted), emitted,
+            kept = plan.kept  # the tokens sequences received (a round's tokens past a stop, or for a client gone, are not)
+            self.metrics.record_round(len(plan.seqs), r.judged_drafts, list(verify.num_accepted), kept,
                                       draft_s, target_s, round_s, verify.lookup_proposed, verify.lookup_accepted)
             self._record_load()
-            for s, e in zip(plan.seqs, emitted):
+            for s, e in zip(plan.seqs, kept):
                 if e and s.first_token_time is not None and s.num_output == e:
                     self.metrics.record_first_token(s.first_token_time - s.arrival)
                 elif e:
@@ -611,7 +612,7 @@ class Batcher:
 
     def _record_load(self) -> None:
         """The live queue, running and speculating counts into the metrics (gauges, autoscaling)."""
-        running = [s for l in self.lanes for s in l.scheduler.running]
+        running = [s for l in self.lanes for s in (*l.scheduler.running, *l.scheduler.waiting)]  # (admitted: next round)
         now = time.monotonic()  # a lane whose drafts are off (draft_backoff_s) plans k but drafts nothing
         on = sum(1 for l in self.lanes if now >= l.draft_down_until
                  for s in l.scheduler.running if s.adaptive and s.adaptive.off_rounds == 0)

@@ -246,8 +246,9 @@ class RouterMetrics:
     def record_round(self, batch_size: int, num_draft: list[int], num_accepted: list[int],
                      num_emitted: list[int], draft_s: float, target_s: float, round_s: float,
                      lookup_proposed: int = 0, lookup_accepted: int = 0) -> None:
-        """One speculative round: per-sequence drafts proposed / accepted / tokens emitted, and the
-        round's prompt-lookup tokens (multi-step plain rounds)."""
+        """One speculative round: per-sequence drafts proposed / accepted / tokens the sequence
+        received (0: a row the target did not hold, or whose client left), and the round's
+        prompt-lookup tokens (multi-step plain rounds)."""
         if not (len(num_draft) == len(num_accepted) == len(num_emitted)):
             raise ValueError("num_draft, num_accepted and num_emitted must have one entry per sequence")
         m = self._m
@@ -256,6 +257,8 @@ class RouterMetrics:
         pos_a: list[int] = []
         k_hist = m[NUM_DRAFT]
         for d, a, e in zip(num_draft, num_accepted, num_emitted):
+            if not e:  # a row the target did not hold, or whose client left: no row-round (as SpecStats)
+                continue
             d, a = int(d), min(int(a), int(d))
             proposed += d
             accepted += a

@@ -148,8 +148,10 @@ def decide(ctx: "AutoscalingContext", units: float | None, p: AutoscalingParams,
     base = ctx.target_num_replicas
     low_since_k, low_base_k = f"{_STATE}{key}.low_since", f"{_STATE}{key}.low_base"
     now = ctx.current_time if ctx.current_time is not None else time.time()
-    units = None if units is None else max(0.0, units)
-    desired = base if units is None else max(math.ceil(units / p.target_utilization - 1e-9), floor)
+    if units is None:  # no data: hold (the downscale timer too), but never below the floor
+        return _clamp(max(base, floor), ctx)
+    units = max(0.0, units)
+    desired = max(math.ceil(units / p.target_utilization - 1e-9), floor)
     if base > 0 and desired < base and units / base < p.downscale_utilization:
         if state.get(low_since_k) is None or state.get(low_base_k) != base:  # low from now on
             state[low_since_k], state[low_base_k] = now, base
@@ -285,10 +287,11 @@ class AppPolicy(_Policy):
         serving = (ongoing or 0.0) > 0 or (r_ctx is not None and (r_ctx.total_num_requests or 0) > 0)
         t_id, t_ctx = by_name.get(p.target_deployment, (None, None))
         if t_ctx is not None:
-            scale = 1.0
+            scale = states[t_id].get(f"{_STATE}capacity_scale", 1.0)  # (a tick without the router's stats keeps it)
             if p.acceptance_aware_capacity and acceptance is not None and spec_frac is not None:
                 scale = (expected_tokens_per_forward(acceptance, p.reference_k, spec_frac)
                          / expected_tokens_per_forward(p.reference_acceptance, p.reference_k, 1.0))
+                states[t_id][f"{_STATE}capacity_scale"] = scale
             units = _target_units(t_ctx, p, extra_sequences=ongoing or 0.0, tokens_per_s=r_tps,
                                   capacity_scale=scale)
             busy = serving or (t_ctx.total_num_requests or 0) > 0  # (stats lag ~10 s behind requests)

@@ -12,7 +12,7 @@ The round that calls proposer and target is `specdec.round` (driven in process b
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -56,6 +56,7 @@ class RoundPlan:
     draft_batch: SpecBatch
     prefill: bool = False  # some row brings a prompt (or a resent context): timings are not a step's
     catch_up: bool = False  # a drafting round after plain ones (or a row's restarted draft context): the draft catches up
+    kept: list[int] = field(default_factory=list)  # (commit) tokens each row's sequence kept: after its stop, 0 if aborted or unknown
 
 
 class Scheduler:
@@ -321,6 +322,7 @@ class Scheduler:
         """Apply a round's results. Returns the sequences that changed (finished ones included)."""
         seqs = plan.seqs
         unknown_t, unknown_d = set(verify.unknown), set(draft.unknown)
+        plan.kept = [0] * len(seqs)
         for i, s in enumerate(seqs):
             if s.finished:  # aborted while the round ran
                 continue
@@ -336,7 +338,7 @@ class Scheduler:
                 s.target_offset = 0  # resend the whole context next round
                 continue
             emitted, m, k = verify.tokens[i], verify.num_accepted[i], draft.num_draft[i]
-            kept = s.append(emitted, self.tokenizer)
+            kept = plan.kept[i] = s.append(emitted, self.tokenizer)
             # a draft that reads features and lost the sequence needs them for the whole context,
             # which only the target has: it re-prefills (else the draft's context restarts here)
             s.target_offset = 0 if lost and self.cfg.features else len(s.tokens)

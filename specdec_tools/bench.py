@@ -228,8 +228,10 @@ def print_table(rows: list[Row]) -> None:
             bound_s, mb = "-", "-"
         k = "adapt" if r.k < 0 else str(r.k)
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
-        acc = f"{r.acceptance:.2f}" if r.k != 0 and not r.name.startswith("HF") else "-"
-        print(f"| {r.name} | {r.batch} | {k} | {r.tps:.1f} | {acc} | {r.mean_len:.2f} | {r.c:.3f} | {bound_s} | "
+        hf = r.name.startswith("HF")  # (transformers' generate: no acceptance, round lengths or draft cost measured)
+        acc = f"{r.acceptance:.2f}" if r.k != 0 and not hf else "-"
+        mean_len, c = ("-", "-") if hf else (f"{r.mean_len:.2f}", f"{r.c:.3f}")
+        print(f"| {r.name} | {r.batch} | {k} | {r.tps:.1f} | {acc} | {mean_len} | {c} | {bound_s} | "
               f"{sp:.2f}x | {mb} | {same} | {r.split()} |")
 
 

@@ -433,3 +433,32 @@ def test_expected_tokens_per_forward():
     assert A.expected_tokens_per_forward(1.0, 4) == 5.0
     assert A.expected_tokens_per_forward(0.6, 4, speculating_fraction=0.0) == 1.0
     assert abs(A.expected_tokens_per_forward(0.6, 4) - (1 - 0.6 ** 5) / 0.4) < 1e-12
+
+
+def test_a_tick_without_stats_holds_the_count_and_the_downscale_timer():
+    """No data holds the current count: it neither restarts the downscale delay (one missing tick
+    moved the first scale-down from 65 s to 95 s) nor drops a floor."""
+    def first_scale_down(gap_at: float | None) -> float:
+        sim = Sim(A.TargetPolicy, "Target", replicas=4)
+        for i in range(40):
+            t = T0 + 2.5 * i
+            sim.step(t, totals=None if gap_at == 2.5 * i else {A.TARGET_TOKENS_PER_S: 50})
+            if sim.replicas < 4:
+                return 2.5 * i
+        return math.inf
+    assert first_scale_down(None) == first_scale_down(30.0) < math.inf
+    ctx = make_ctx("Target", replicas=0, min_replicas=0, now=T0)  # no stats yet, requests in flight
+    assert A.decide(ctx, None, P, {}, "target", floor=1) == 1
+
+
+def test_app_policy_keeps_the_targets_capacity_scale_through_a_router_stats_gap():
+    """The Target's capacity scales with the router's acceptance; a tick without the router's stats
+    keeps the last scale (falling back to 1 scaled the Target up at unchanged load)."""
+    sim = AppSim(router=3, target=6, draft=3)
+    stats = router_stats(ongoing=60, tps=600, acceptance=0.9, spec=1.0, draft_tps=1200)
+    for i in range(40):
+        sim.step(T0 + 2 * i, stats, target={A.TARGET_TOKENS_PER_S: 600})
+    settled = sim.n["Target"]
+    for i in range(40, 45):  # the router's stats missing for 10 s
+        sim.step(T0 + 2 * i, ({}, {}), target={A.TARGET_TOKENS_PER_S: 600})
+    assert sim.n["Target"] == settled

@@ -97,3 +97,12 @@ def test_progress_bar_total_is_the_number_of_updates(tiny_dir, tiny_draft_dir, t
                 "--ks", "2,3", "--batches", "1,2", "--prompts", "1", "--max-tokens", "4", "--kinds", "chat",
                 "--threads", "1", "--lookup", "2", "--corpus", str(tmp_path / "corpus.npz")])
     assert len(bars) == 1 and bars[0].n > 0 and bars[0].total == bars[0].n
+
+
+def test_hf_rows_print_no_figures_they_did_not_measure(capsys):
+    """transformers' generate reports no acceptance, round lengths or draft cost: the table says
+    "-" there, not the defaults 1.00 and 0.000 (which BENCHMARKS.md once printed)."""
+    from specdec_tools.bench import Row, print_table
+    print_table([Row("HF prompt lookup", 1, 2, 100, 1.0, plain_s=1.0)])
+    cells = capsys.readouterr().out.strip().splitlines()[-1].split("|")
+    assert [c.strip() for c in cells[5:8]] == ["-", "-", "-"]

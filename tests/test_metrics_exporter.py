@@ -131,7 +131,7 @@ def test_round_without_drafts_records_no_zero_increments(fakes):
     rm.record_round(2, [0, 0], [0, 0], [0, 0], draft_s=0.0, target_s=0.01, round_s=0.012)
     assert fakes[M.GENERATED_TOKENS].records == [] and fakes[M.DRAFT_TOKENS].records == []
     assert fakes[M.DRAFT_TIME].records == []  # draft time only for rounds that drafted
-    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == 1.0
+    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == 0.0  # (rows that got no token are no row-rounds: no data)
     with pytest.raises(ValueError):
         rm.record_round(2, [1], [0, 0], [1, 1], 0.0, 0.0, 0.0)
 
@@ -359,6 +359,44 @@ async def test_drafts_of_rows_the_target_did_not_verify_are_not_counted_as_rejec
     assert b.resyncs["target"] > 0  # rows did come back unverified
     assert b.stats.proposed > 0 and b.stats.accepted == b.stats.proposed
     assert fakes[M.DRAFT_TOKENS].total() == fakes[M.ACCEPTED_TOKENS].total() == b.stats.proposed
+    # nor booked as plain row-rounds (the gauge read 2.5 beside /stats' 4.0; k = 0 observed for each)
+    assert fakes[M.MEAN_ACCEPTED_LENGTH].last() == pytest.approx(b.stats.mean_accepted_length) == pytest.approx(4.0)
+    assert 0 not in fakes[M.NUM_DRAFT].values()
+
+
+@pytest.mark.asyncio
+async def test_metrics_count_what_sequences_received(fakes, tiny_dir):
+    """A stop inside the first round's accepted run: one TTFT and no ITL for the sequence, and the
+    generated-tokens counter counts its 2 tokens, not the round's 4 (the tokens past the stop);
+    rows admitted to a lane and not yet in a round count as running."""
+    import torch
+    from deployments.batcher import Batcher
+    from fake_handles import FakeDraft, FakeTarget
+    from specdec.loader import load_model
+    from specdec.proposers.draft_model import DraftModelProposer
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    worker = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 128)
+    draft = DraftModelProposer(load_model(tiny_dir, dtype=torch.float32), 4, 128)  # = the target: all accepted
+    b = Batcher({"tokenizer": str(tiny_dir), "speculate": True, "max_model_len": 128, "batch_wait_timeout_s": 0,
+                 "adaptive": False, "num_speculative_tokens": 3, "max_lanes": 1}, FakeDraft(draft), FakeTarget(worker))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [ref] = b.submit([[9, 10, 11, 12]], [greedy])
+    assert b.record_autoscaling_stats()[M.ROUTER_ONGOING_REQUESTS] == 1  # admitted into its lane, before any round
+    assert fakes[M.QUEUE_RUNNING].last() == 1
+    while not ref.finished:
+        await b.wait(ref)
+    b.finish(ref)
+    for m in (M.TTFT, M.ITL, M.GENERATED_TOKENS):
+        fakes[m].records.clear()
+    [s] = b.submit([[9, 10, 11, 12]], [SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[ref.output_ids[1]])])
+    while not s.finished:
+        await b.wait(s)
+    b.finish(s)
+    assert s.num_output == 2 and s.rounds == 1
+    assert len(fakes[M.TTFT].records) == 1 and not fakes[M.ITL].records
+    assert fakes[M.GENERATED_TOKENS].total() == 2
 
 
 def test_a_multi_step_plain_row_counts_a_row_round_per_token_as_spec_stats_does(fakes):
