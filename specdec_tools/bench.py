@@ -93,13 +93,18 @@ class Row:
         return f"{ms[0]:.1f} ({ms[1]:.1f} / {ms[2]:.1f} / {ms[0] - ms[1] - ms[2]:.1f})"
 
 
+def max_len(model, cap: int = 2048) -> int:
+    """The benchmark's sequence length: `cap`, or the positions the target computes exactly if fewer."""
+    return min(cap, model.args.max_position_embeddings)
+
+
 def run_engine(model, tok, prompts, proposer, k, batch, max_tokens, adaptive=False, warm=True, siblings=0,
                lookup=0, ngram_k=0, temperature=0.0, seed=None, corpus=None, warm_tokens=0):
     """`lookup` > 0: plain rounds of 8 steps whose rows verify that many lookup tokens per step
     (continued from `corpus` if given; with k = 0 the proposer only enables them). `temperature`
     > 0 samples (with `seed`). Before the timed run: `warm_tokens` > 0 decodes a wave of `prompts`
     that long (the engine's adaptive state then starts measured), else `warm` 4 tokens of one."""
-    eng = LLMEngine(TargetWorker(model, batch, 2048, corpus=corpus), proposer, tok,
+    eng = LLMEngine(TargetWorker(model, batch, max_len(model), corpus=corpus), proposer, tok,
                     EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
                                  speculate=proposer is not None and (k > 0 or lookup > 0), siblings_max_batch=siblings,
                                  plain_steps=8 if lookup else 1, lookup_k=lookup, lookup_max_batch=batch,
@@ -275,12 +280,12 @@ def main(argv=None) -> None:
     if a.compile:
         t0 = time.perf_counter()
         for b in batches:  # each batch size's cache is another compiled graph (with features: LLMEngine warms them)
-            TargetWorker(model, b, 2048, compile=True)
+            TargetWorker(model, b, max_len(model), compile=True)
         print(f"compiled the target's layers in {time.perf_counter() - t0:.0f} s")
     drafts = []
     if not a.no_self:
         self_draft = model.first_layers(a.self_draft_layers)
-        drafts.append((f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, 2048)))
+        drafts.append((f"self{a.self_draft_layers}", lambda b: DraftModelProposer(self_draft, b, max_len(model))))
     if a.draft:
         drafts += draft_factories(a.draft, model, dtype, a.hybrid_ngram_min)
     ks = [int(x) for x in a.ks.split(",")]
@@ -348,14 +353,14 @@ def draft_factories(draft: str, model, dtype, hybrid_ngram_min: int = 3):
         name, d = "eagle", load_eagle(draft, model, dtype)
 
         def make(b):
-            return EagleProposer(d, b, 2048)
+            return EagleProposer(d, b, max_len(model))
     else:
         name, d = "draft", load_model(draft, dtype=dtype)
         ids = getattr(d, "extra", {}).get("draft_vocab")
         token_map = torch.tensor(ids, dtype=torch.long) if ids else None
 
         def make(b):
-            return DraftModelProposer(d, b, 2048, token_map=token_map)
+            return DraftModelProposer(d, b, max_len(model), token_map=token_map)
     return [(name, make),
             (f"hybrid (ngram>={hybrid_ngram_min} + {name})",
              lambda b: HybridProposer(NgramProposer(min_n=hybrid_ngram_min, max_n=max(5, hybrid_ngram_min)), make(b)))]
