@@ -53,9 +53,9 @@ def check_models(target: str, draft: str | None = None, proposer: str = "none", 
                              f"{margs.num_layers} layers")
         fit.draft_kv_bytes = margs.kv_bytes_per_token(item) // margs.num_layers * self_draft_layers
     if proposer in DRAFT_PROPOSERS:
-        _check_draft(fit, draft, proposer, target, tokenizer, item)
+        path = _check_draft(fit, draft, proposer, target, tokenizer, item)
         try:
-            check_same_vocab(tokenizer, load_tokenizer(materialize(resolve(draft)).path), target, draft)
+            check_same_vocab(tokenizer, load_tokenizer(path), target, draft)
         except ModelLoadError as e:
             raise ValueError(str(e)) from None
     if lookup_corpus:
@@ -63,7 +63,8 @@ def check_models(target: str, draft: str | None = None, proposer: str = "none", 
     return fit
 
 
-def _check_draft(fit: ModelFit, draft: str | None, proposer: str, target: str, tokenizer, item: int) -> None:
+def _check_draft(fit: ModelFit, draft: str | None, proposer: str, target: str, tokenizer, item: int):
+    """The draft's checks; returns its (materialized) checkpoint directory."""
     from transformers import AutoConfig
 
     from specdec.eagle_draft import check_eagle_fits, is_eagle
@@ -81,7 +82,7 @@ def _check_draft(fit: ModelFit, draft: str | None, proposer: str, target: str, t
         except ValueError as e:
             raise ValueError(f"draft {draft} does not fit target {target}: {e}") from None
         fit.draft_kv_bytes = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * item
-        return
+        return path
     try:
         dargs = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path))
     except ValueError as e:
@@ -91,6 +92,7 @@ def _check_draft(fit: ModelFit, draft: str | None, proposer: str, target: str, t
         raise ValueError(f"draft {draft} has {dargs.vocab_size} embeddings: it must embed every "
                          f"token of the tokenizer ({len(tokenizer)}) and propose none the target cannot "
                          f"embed ({margs.vocab_size})")
+    return path
 
 
 def _check_corpus(corpus: str, target: str, margs: ModelArgs) -> None:
