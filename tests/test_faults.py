@@ -493,14 +493,35 @@ async def test_batcher_one_large_n_request_does_not_lock_out_other_clients(tiny_
     assert len(tiny_worker.table) == 0
 
 
-class _TwoReplicaTarget:
+class _TwoReplicas:
+    """Two in-process replicas ("a", "b") of a deployment behind a fake handle: `replicas` maps
+    each name to its worker or proposer; a release goes to the pinned one, or to both."""
+
+    def __init__(self, replicas: dict):
+        self.replicas = replicas
+
+    def options(self, **_):
+        return self
+
+    @staticmethod
+    def _route(pin, avoid) -> str:
+        """As the affinity router: the pin, else the first replica not avoided."""
+        return pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+
+    async def _release(self, ids, pin=None):
+        for name, r in self.replicas.items():
+            if pin in (None, name):
+                r.release(ids)
+
+
+class _TwoReplicaTarget(_TwoReplicas):
     """Two Target replicas ("a", "b"), each with its own worker; the first pinned verify that
     reaches "a" after `fail_after` calls raises ActorUnavailableError once ("a" stays alive and
     still answers releases), and unpinned calls go to "b" from then on."""
 
     def __init__(self, workers: dict, fail_after: int = 2):
-        self.workers, self.fail_after = workers, fail_after
-        self.calls, self.failed = 0, False
+        super().__init__(workers)
+        self.fail_after, self.calls, self.failed = fail_after, 0, False
         self.verify, self.release = _Method(self._verify), _Method(self._release)
 
     async def _verify(self, batch, draft, pin=None, avoid=None):
@@ -510,12 +531,7 @@ class _TwoReplicaTarget:
         if name == "a" and self.calls > self.fail_after and not self.failed:
             self.failed = True
             raise ray.exceptions.ActorUnavailableError("unreachable for a moment", None)
-        return name, self.workers[name].verify(batch, draft)
-
-    async def _release(self, ids, pin=None):
-        for name, w in self.workers.items():
-            if pin in (None, name):
-                w.release(ids)
+        return name, self.replicas[name].verify(batch, draft)
 
 
 @pytest.mark.asyncio
@@ -611,34 +627,25 @@ def test_reconfigure_validates_before_it_applies(tiny_dir):
     batcher.reconfigure({"num_speculative_tokens": 0})
 
 
-class _TwoTargets:
-    """Two in-process Target replicas behind a handle that routes like the affinity router (the
-    pin, else the first replica not avoided); replica "a" hangs (alive) from its 4th call."""
+class _TwoTargets(_TwoReplicas):
+    """Two in-process Target replicas routed like the affinity router; replica "a" hangs (alive)
+    from its 4th call."""
 
     def __init__(self, path):
         import torch
 
-        from fake_handles import Method
         from specdec.loader import load_model
         from specdec.target_worker import TargetWorker
-        self.workers = {n: TargetWorker(load_model(path, dtype=torch.float32), 4, 256) for n in "ab"}
+        super().__init__({n: TargetWorker(load_model(path, dtype=torch.float32), 4, 256) for n in "ab"})
         self.calls = {"a": 0, "b": 0}
-        self.verify, self.release = Method(self._verify), Method(self._release)
-
-    def options(self, **_):
-        return self
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
 
     async def _verify(self, batch, draft, pin=None, avoid=None):
-        name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+        name = self._route(pin, avoid)
         self.calls[name] += 1
         if name == "a" and self.calls["a"] > 3:
             await asyncio.Event().wait()  # a forward that never returns
-        return name, self.workers[name].verify(batch, draft)
-
-    async def _release(self, ids, pin=None):
-        for n, w in self.workers.items():
-            if pin in (None, n):
-                w.release(ids)
+        return name, self.replicas[name].verify(batch, draft)
 
 
 @pytest.mark.asyncio
@@ -664,30 +671,21 @@ async def test_new_lanes_avoid_a_target_replica_that_did_not_answer(tiny_dir):
     assert outcomes == [503, 20] and "a" in b.suspects and t.calls["a"] == 4 and t.calls["b"] > 0
 
 
-class _TwoDrafts:
-    """Two in-process Draft replicas behind a handle that routes like the affinity router (the
-    pin, else the first replica not avoided); `stall(name, call)` is awaited after a call's
-    proposal is computed (its slots taken), before it answers."""
+class _TwoDrafts(_TwoReplicas):
+    """Two in-process Draft replicas routed like the affinity router; `stall(name, call)` is
+    awaited after a call's proposal is computed (its slots taken), before it answers."""
 
     def __init__(self, make, stall):
-        self.p = {n: make() for n in "ab"}
+        super().__init__({n: make() for n in "ab"})
         self.calls, self.stall = {"a": 0, "b": 0}, stall
         self.propose, self.release = _Method(self._propose), _Method(self._release)
 
-    def options(self, **_):
-        return self
-
     async def _propose(self, batch, pin=None, avoid=None):
-        name = pin or next((n for n in "ab" if n not in (avoid or ())), "a")
+        name = self._route(pin, avoid)
         self.calls[name] += 1
-        out = self.p[name].propose(batch)
+        out = self.replicas[name].propose(batch)
         await self.stall(name, self.calls[name])
         return name, out
-
-    async def _release(self, ids, pin=None):
-        for n, p in self.p.items():
-            if pin in (None, n):
-                p.release(ids)
 
 
 @pytest.mark.asyncio
@@ -749,7 +747,7 @@ async def test_queued_requests_do_not_follow_a_failed_lane_onto_its_hung_replica
     seqs = [b.submit([prompt], [p])[0] for prompt in ([5, 6, 7], [8, 9, 10], [11, 12, 13])]  # 2 queued
     outcomes = await asyncio.wait_for(asyncio.gather(*(_outcome(b, s) for s in seqs)), 20)
     assert outcomes == [503, 20, 20] and t.calls["a"] == 4 and "a" in b.suspects
-    assert all(len(w.table) == 0 for w in t.workers.values())  # (the release to "a" is the worker's own call)
+    assert all(len(w.table) == 0 for w in t.replicas.values())  # (the release to "a" is the worker's own call)
 
 
 @pytest.mark.asyncio
@@ -781,12 +779,12 @@ async def test_a_sequence_cancelled_during_a_draft_call_that_times_out_is_freed_
     p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     keep, cancel = (b.submit([prompt], [p])[0] for prompt in ([5, 6, 7, 5, 6], [9, 8, 7, 9, 8]))
     await asyncio.wait_for(slow.wait(), 10)
-    assert cancel.seq_id in d.p["a"].table.seqs
+    assert cancel.seq_id in d.replicas["a"].table.seqs
     b.finish(cancel)  # the client disconnects mid-call
     assert await asyncio.wait_for(_outcome(b, keep), 20) == 60
     await _drain(b, [])
     await asyncio.sleep(1.0)  # the slow call ends too
-    assert "a" in b.suspects and not d.p["a"].table.seqs and not d.p["b"].table.seqs
+    assert "a" in b.suspects and not d.replicas["a"].table.seqs and not d.replicas["b"].table.seqs
     assert len(target.worker.table) == 0
 
 
