@@ -456,7 +456,9 @@ class AdaptiveK:
         k, s = self.best(cost, has_model, batch=batch, k_max=k_max)
         if k > 0 and s > self.cfg.min_speedup:
             return k
-        k = self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
-        if (probe and self.probe_due) or (measured_win and expected_tokens(self.acceptance, k) > win_floor):
-            return k
+        due = probe and self.probe_due
+        if due or measured_win:  # (the best k >= 1 only where it may be used: this runs per row and round)
+            k = self.best(cost, has_model, k_min=1, batch=batch, k_max=k_max)[0]
+            if due or expected_tokens(self.acceptance, k) > win_floor:
+                return k
         return 0
