@@ -105,9 +105,10 @@ def resolve(spec: str | os.PathLike) -> ModelSource:
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} does not exist (expected a Hugging Face "
                              "checkpoint directory, a .gguf file, or 'smollm2')")
-    if (path / "config.json").is_file():
-        return ModelSource(path)
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    if (path / "config.json").is_file() and (weights or not ggufs):  # (GGUF repos may ship a config.json too)
+        return ModelSource(path)
     if len(ggufs) == 1:
         return ModelSource(path, ggufs[0])
     if ggufs:

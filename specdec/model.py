@@ -113,7 +113,9 @@ def _exact_positions(text, rope: dict) -> int:
     update) does not happen here, so such a model is capped at its original length."""
     limit = getattr(text, "max_position_embeddings", 4096)
     if rope.get("rope_type") == "longrope":
-        original = rope.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+        # a top-level value wins, as transformers' loaded model reads it (AutoConfig alone puts
+        # max_position_embeddings in rope_parameters for the legacy `rope_scaling` spelling)
+        original = getattr(text, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
         limit = min(limit, original or limit)
     return limit
 

@@ -2,6 +2,7 @@
 transformers computes; the rest are refused with a clear error when the app is built, never loaded
 to compute something else (Gemma's, Granite's weights have Llama's names)."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -164,6 +165,20 @@ def test_longrope_is_capped_at_its_original_length(tmp_path):
     from specdec.target_worker import TargetWorker
     with pytest.raises(ValueError, match="exceeds the 64 positions the target computes exactly"):
         TargetWorker(load_model(path), 1, 128)
+    # the legacy spelling (Phi-3's): `rope_scaling` with `type` and a top-level original length, for
+    # which AutoConfig alone reports the whole max_position_embeddings (the app built, then every
+    # Target replica refused its max_model_len)
+    legacy = tmp_path / "legacy"
+    shutil.copytree(path, legacy)
+    cfg = json.loads((legacy / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_theta=10000.0, original_max_position_embeddings=64,
+               rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    args = AppArgs(target=str(legacy), proposer="ngram", dtype="float32", lookup_corpus=None)
+    args.validate_models()
+    assert args.max_model_len == 64
+    TargetWorker(load_model(legacy), 1, args.max_model_len)
 
 
 def test_partial_rotary_with_a_scaled_rope_is_refused_at_load(tmp_path):

@@ -103,6 +103,14 @@ def test_missing_model_fails_clearly(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         resolve(tmp_path / "weights.bin")
+    # a GGUF download that ships a config.json beside its one .gguf file (and no other weights) is GGUF
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "config.json").write_text("{}")
+    (gguf / "model-q8.gguf").write_bytes(b"GGUF")
+    assert resolve(gguf).gguf_file == "model-q8.gguf"
+    (gguf / "model.safetensors").write_bytes(b"")  # weights beside it: the checkpoint directory
+    assert resolve(gguf).gguf_file is None
 
 
 def test_a_failed_gguf_conversion_leaves_nothing_in_the_cache(tmp_path, tiny_dir, monkeypatch):
