@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over the batcher: the application's ingress, a FastAPI app
 (`@serve.ingress`) whose class holds the `Batcher` batcher as a member.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health, GET /stats (the router's speculation statistics). Every error is OpenAI's error
-body with a 4xx/5xx status; overload answers 503 with Retry-After. Bodies are read up to
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models
+and /v1/models/{id}, GET /health, GET /stats (the router's speculation statistics). Every error is
+OpenAI's error body with a 4xx/5xx status; overload answers 503 with Retry-After. Bodies are read up to
 `api.max_body_bytes` (413 beyond). Optional Bearer-token auth compares keys in constant time
 (keys from SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE or the file `api.api_keys_file`).
 Serve's access log has one line per request (method, route, status, latency); no log holds prompts
@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
@@ -137,6 +138,7 @@ class OpenAIIngress:
         self.encoder = load_tokenizer(self.cfg.tokenizer)
         self.vocab_size = len(self.encoder)
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.created = int(time.time())
 
     def __del__(self) -> None:
         tracing.flush()  # Serve stops the replica (ray.kill skips atexit): export the spans it still buffers
@@ -178,7 +180,15 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse(model_list([self.cfg.model_name], max_model_len=self.cfg.max_model_len))
+        return JSONResponse(self._models([self.cfg.model_name]))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        """One model card (`client.models.retrieve`); 404 for a model this replica does not serve."""
+        self._authorize(request)
+        if model_id != self.cfg.model_name:
+            raise APIError.model_not_found(model_id, served=self.cfg.model_name)
+        return JSONResponse(self._models([model_id])["data"][0])
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -190,6 +200,10 @@ class OpenAIIngress:
         return JSONResponse(self.batcher.engine_stats())
 
     # ---- request plumbing ---------------------------------------------------------------------
+    def _models(self, ids: list[str]) -> dict:
+        """Model cards, `created` when this replica started (the same in every answer)."""
+        return model_list(ids, created=self.created, max_model_len=self.cfg.max_model_len)
+
     def _authorize(self, request: Request) -> None:
         if not self.api.require_api_key:
             return

@@ -206,8 +206,8 @@ def test_api_key_auth(app):
                     {"Authorization": "Bearer"}, {"Authorization": KEY}]:
         r = httpx.post(f"{url}{C}", json=body, headers=headers, timeout=30)
         _check_error(r, 401, code="invalid_api_key", contains="API key")
-        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
-        _check_error(r, 401, code="invalid_api_key")
+        for path in ("/v1/models", f"/v1/models/{model}"):
+            _check_error(httpx.get(f"{url}{path}", headers=headers, timeout=30), 401, code="invalid_api_key")
     # auth comes before body parsing: an unauthenticated garbage body is 401, not 400
     r = httpx.post(f"{url}{C}", content=b"{garbage", timeout=30)
     _check_error(r, 401)

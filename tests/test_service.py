@@ -40,10 +40,17 @@ def test_models_and_health(tiny_app):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == model
     validate(r.json(), "ListModelsResponse")
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    card = httpx.get(f"{url}/v1/models/{model}")  # the client's models.retrieve
+    assert card.status_code == 200 and card.json() == r.json()["data"][0]
+    validate(card.json(), "Model")
+    missing = httpx.get(f"{url}/v1/models/org/other-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert "org/other-model" in missing.json()["error"]["message"]
 
 
 def test_completion_chat_and_streaming_with_openai_client(tiny_app, client):
     url, model = tiny_app
+    assert client.models.retrieve(model).id == model
     r = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=12, temperature=0)
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
     assert r.usage.model_extra["speculative"]["rounds"] >= 1
