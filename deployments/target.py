@@ -40,6 +40,14 @@ class TargetFault(RuntimeError):
     """This target replica cannot serve (its tensor-parallel group is broken): retry elsewhere."""
 
 
+class RanksOutOfStep(RuntimeError):
+    """A forward failed on rank 0 while the other ranks still wait in its collectives: the
+    group's next collectives would pair with theirs, so the group cannot serve any more."""
+
+
+OUT_OF_STEP_WAIT_S = 5.0  # how long a failed rank 0 waits for the other ranks to fail the same forward
+
+
 class TargetConfig(ModelRuntime):
     """Configuration of the Target deployment."""
 
@@ -139,7 +147,16 @@ class TPGroupModel:
     def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1, n_hidden: int = 0, sibling=None):
         cpu = [t.cpu() if torch.is_tensor(t) else t for t in (tokens, slots, starts, last, sibling)]
         refs = [w.forward.remote(*cpu[:4], n_logits, n_hidden, self.trace_carrier, cpu[4]) for w in self.workers]
-        out = self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
+        try:
+            out = self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
+        except Exception as e:
+            # the same failure on every rank (at the same point) leaves the group in step; a rank-0-only
+            # one (e.g. an allocation on the rank that also holds the logits) leaves the others waiting
+            _, waiting = ray.wait(refs, num_returns=len(refs), timeout=OUT_OF_STEP_WAIT_S)
+            if waiting:
+                raise RanksOutOfStep(f"rank 0 failed mid-forward ({type(e).__name__}: {e}) while "
+                                     f"{len(waiting)} rank(s) still wait in its collectives") from e
+            raise
         ray.get(refs)  # surfaces a dead worker as an exception
         return out
 
@@ -261,7 +278,7 @@ class TargetDeployment:
 
     def _group_broken(self, e: Exception) -> bool:
         """After a failed forward: is the group unusable (a rank gone, or the collective itself failed)?"""
-        if isinstance(e, ray.exceptions.RayError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
+        if isinstance(e, (ray.exceptions.RayError, RanksOutOfStep)) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
             return True
         try:
             ray.get([w.ping.remote() for w in self.workers], timeout=5)

@@ -243,6 +243,50 @@ async def test_tp_worker_killed_mid_generation(tp_app):
     await assert_idle_async("ftp", url)
 
 
+def test_a_forward_that_fails_on_rank_0_alone_breaks_the_group(ray_cluster, monkeypatch):
+    """Rank 0 failing mid-forward while another rank still waits in that forward's collectives
+    (an allocation failure on rank 0 alone): the next forward's collectives would pair with the
+    waiting ones, stalling it for forward_timeout_s (300 s). The failure now marks the group
+    broken; one that every rank hit alike stays the original error (the group is in step)."""
+    import ray
+    import deployments.target as T
+    monkeypatch.setattr(T, "OUT_OF_STEP_WAIT_S", 2.0)
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, waits: bool):
+            self.waits = waits
+
+        def ready(self, tensor) -> bool:  # (a tensor: torch imported, as in a group's workers)
+            return True
+
+        def forward(self, *args):
+            if self.waits:
+                time.sleep(30)  # parked in rank 0's remaining collectives
+            raise RuntimeError("the same allocation failed here")
+
+    class Rank0:
+        args = None
+
+        def __call__(self, *args):
+            raise RuntimeError("cannot allocate memory")
+    waiting, failing = Rank.remote(True), Rank.remote(False)
+    try:
+        import torch
+        tokens = torch.zeros(1, 1, dtype=torch.long)
+        ray.get([waiting.ready.remote(tokens), failing.ready.remote(tokens)])  # (started, as a group's workers are)
+        with pytest.raises(T.RanksOutOfStep, match="1 rank"):
+            T.TPGroupModel(Rank0(), [waiting])(tokens, tokens, tokens)
+        with pytest.raises(RuntimeError, match="cannot allocate") as in_step:
+            T.TPGroupModel(Rank0(), [failing])(tokens, tokens, tokens)
+        assert not isinstance(in_step.value, T.RanksOutOfStep)
+        replica = object.__new__(T.TargetDeployment)
+        assert replica._group_broken(T.RanksOutOfStep("rank 0 failed mid-forward"))
+    finally:
+        ray.kill(waiting)
+        ray.kill(failing)
+
+
 # ---- the batcher's fault handling, in process (fake deployment handles, no cluster) ------------
 def _target_fault():
     import ray.exceptions
