@@ -270,7 +270,7 @@ class TargetDeployment:
         return {"replica": self.id, "active_sequences": len(self.worker.table),
                 "draft_in_target_active": drafter.num_active if drafter is not None else 0,
                 "free_slots": self.worker.table.num_free, "pid": os.getpid(),
-                "tp_worker_pids": [pid for _, pid in ray.get([w.ping.remote() for w in self.workers])]}
+                "tp_worker_pids": [pid for _, pid in ray.get([w.ping.remote() for w in self.workers], timeout=10)]}
 
     def worker_handles(self) -> list:
         """The TP worker actors (for fault-injection tests and debugging)."""
