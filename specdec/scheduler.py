@@ -372,6 +372,9 @@ class Scheduler:
         # draft's step cost skips it and the safeguard prices its draft steps at the steady cost.
         if not plan.prefill and not unknown_t:  # (rows the target did not hold cost it nothing and emit nothing)
             B = len(seqs)
+            if draft.draft_steps and not plan.catch_up:
+                self.stats.draft_steps += draft.draft_steps
+                self.stats.draft_step_time += draft_time
             self.cost.observe(max(draft.num_draft, default=0), draft_time, draft.draft_steps,
                               target_time / verify.steps, B, catch_up=plan.catch_up)  # t(B, K): per forward
             seconds = round_time

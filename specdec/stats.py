@@ -34,6 +34,8 @@ class SpecStats:
     lookup_accepted: int = 0  # in proposed / accepted: no proposer drafted them; their tokens are)
     target_drafted: int = 0  # of the lookup tokens, those the target replica's own drafter proposed
     target_draft_accepted: int = 0
+    draft_steps: int = 0  # proposer forwards of steady drafting rounds (no prefill, no catch-up on plain
+    draft_step_time: float = 0.0  # rounds' tokens) and their seconds: the per-step cost c is measured on these
 
     def observe_row(self, proposed: int, accepted: int, emitted: int) -> None:
         self.row_rounds += 1
@@ -76,7 +78,8 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         for name in ("rounds", "row_rounds", "spec_row_rounds", "proposed", "accepted", "emitted",
                      "batch_size_sum", "draft_time", "target_time", "round_time", "sibling_accepted",
-                     "lookup_proposed", "lookup_accepted", "target_drafted", "target_draft_accepted"):
+                     "lookup_proposed", "lookup_accepted", "target_drafted", "target_draft_accepted",
+                     "draft_steps", "draft_step_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.proposed_per_pos), len(other.proposed_per_pos))
         for lst in (self.proposed_per_pos, self.accepted_per_pos):

@@ -127,9 +127,15 @@ def _times(st) -> dict:
     return {"rounds": st.rounds, "draft_s": st.draft_time, "target_s": st.target_time, "round_s": st.round_time}
 
 
-def cost_ratio(stats, plain_step: float) -> float:
-    steps = stats.draft_time / max(1, stats.spec_row_rounds) if stats.spec_row_rounds else 0.0
-    return steps / plain_step if plain_step else 0.0
+def cost_ratio(st: SpecStats, plain_step: float, per_round: bool = False) -> float:
+    """c: a draft step's seconds over a plain target step's, from steady drafting rounds (no prompt
+    prefill, no catch-up; SpecStats.draft_steps). `per_round`: a proposer without forwards (n-gram
+    lookup), priced per drafting round."""
+    if not plain_step:
+        return 0.0
+    if per_round:
+        return st.draft_time / max(1, st.rounds) / plain_step
+    return st.draft_step_time / st.draft_steps / plain_step if st.draft_steps else 0.0
 
 
 def rates(st: SpecStats, k: int) -> tuple[float, float]:
@@ -178,10 +184,7 @@ def bench_engine(model, tok, prompts, drafts, ks, batch, max_tokens, bar, siblin
         out, dt, st = run_engine(model, tok, prompts, make(), max(ks) if k < 0 else k, batch, max_tokens,
                                  warm_tokens=warm, **opts)
         acc, mean_len = rates(st, k)
-        c = 0.0
-        if k > 0:
-            per_step = st.draft_time / max(1, st.rounds * k) if name != "ngram" else st.draft_time / max(1, st.rounds)
-            c = per_step / plain_step
+        c = cost_ratio(st, plain_step, per_round=name == "ngram") if k > 0 else 0.0
         rows.append(Row(name, batch, k, sum(map(len, out)), dt, acc, mean_len, c, out == base, **_times(st),
                         stats=st))
         plain_s.append(run_engine(model, tok, prompts, None, 0, batch, max_tokens, warm_tokens=warm)[1])

@@ -559,3 +559,17 @@ def test_a_draft_context_that_restarts_is_a_catch_up():
         sched.target_batch(plan, draft)
         sched.commit(plan, draft, VerifyOutput([[7] * (k + 1) for k in ks], list(ks)), 0.01, 0.05, 0.06)
     assert catch_ups == [True, False, False, True]  # (the first round: new rows' whole prompts)
+
+
+def test_the_draft_step_cost_counts_steady_drafting_rounds_only():
+    """SpecStats.draft_steps / draft_step_time (what specdec-bench's c is computed from): the
+    proposer forwards of drafting rounds, without the prompt's prefill round and without rounds
+    whose draft caught up on plain rounds' tokens. c used to divide all draft time by k steps per
+    round (rows near their budget draft fewer; a prefill is no step): 4-5% off."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=2, adaptive=False))
+    sched.add(_seq(temperature=0))
+    rounds = _run_rounds(sched, 6)  # the first is the prompt's prefill; draft time 0.002 s a step
+    assert all(list(r.values()) == [2] for r in rounds)
+    st = sched.stats
+    assert st.draft_steps == 2 * 5 and st.draft_step_time == pytest.approx(0.004 * 5)
+    assert st.draft_time == pytest.approx(0.004 * 6)  # (the prefill's draft time is not a step's)
