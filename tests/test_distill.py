@@ -1,6 +1,7 @@
 """`specdec-distill` end to end on a tiny random target: export loadable by transformers and by
 specdec.loader, acceptance that rises with training, a lossless reduced head, resume."""
 import json
+import re
 
 import pytest
 import torch
@@ -180,6 +181,8 @@ def test_eagle_resume_matches_an_uninterrupted_run(tiny_dir, tmp_path, monkeypat
     assert want["epoch"] >= 1 and [got.get(k) for k in ("step", "epoch", "epoch_pos", "tokens_seen")] == \
         [want.get(k) for k in ("step", "epoch", "epoch_pos", "tokens_seen")]
     assert resumed["vocab"] == full["vocab"] and full["vocab"]["coverage"] > 0
+    # the running average of the step metrics resumes too: the summary is the uninterrupted run's
+    assert resumed["train"] == {**full["train"], "minutes": resumed["train"]["minutes"]}
     card = (tmp_path / "resumed" / "README.md").read_text()
     assert f"- vocabulary: {full['vocab']}" in card
 
@@ -266,3 +269,104 @@ def test_eval_only_reports_and_leaves_the_draft_alone_unless_write_card(tiny_dir
     m2 = main([*evaluate, "--write-card"])
     assert json.loads((d / "specdec.json").read_text())["metrics"]["acceptance"] == m2["acceptance"]
     assert "| 1 |" in (d / "README.md").read_text()  # the card's table rewritten from the measurements
+
+
+def _eagle(tiny_dir, tmp_path, *extra) -> list[str]:
+    """A seconds-sized --arch eagle command on the tiny target (work dir tmp_path/work, out tmp_path/d)."""
+    return ["--arch", "eagle", "--target", str(tiny_dir), "--out", str(tmp_path / "d"),
+            "--work", str(tmp_path / "work"),
+            "--draft-vocab", str(VOCAB), "--batch-tokens", "1024", "--seq-len", "128", "--corpus-limit", "60",
+            "--answers", "8", "--gen-batch", "8", "--gen-tokens", "16", "--text-tokens", "2048", "--eval-prompts", "0",
+            "--save-dtype", "float32", "--threads", "1", "--dtype-teacher", "float32", "--save-minutes", "0", *extra]
+
+
+def test_eagle_rerun_at_the_final_step_keeps_the_training_metrics(tiny_dir, tmp_path, one_thread):
+    """The same --resume command rerun after a finished run (a kill during export or evaluation)
+    trains nothing and reports the finished run's train_top1/train_loss, not zeros."""
+    args = _eagle(tiny_dir, tmp_path, "--steps", "3", "--resume")
+    done = main(args)["train"]
+    assert done["steps"] == 3 and done["train_loss"] > 0
+    assert main(args)["train"] == done
+    assert f"- training: {done}" in (tmp_path / "d" / "README.md").read_text()
+
+
+def test_eagle_card_names_the_head_size_without_an_evaluation(tiny_dir, tmp_path, one_thread):
+    """--eval-prompts 0: the card still says how many head rows the draft has, and specdec.json
+    records the held-out split it was trained with (for --eval-only)."""
+    main(_eagle(tiny_dir, tmp_path, "--steps", "0", "--heldout-pct", "7"))
+    assert f"head rows for {VOCAB} tokens" in (tmp_path / "d" / "README.md").read_text()
+    extra = json.loads((tmp_path / "d" / "specdec.json").read_text())
+    assert extra["heldout"] == {"heldout_pct": 7, "heldout_chat_pct": 15}
+
+
+@pytest.mark.parametrize("layers", ["7", "1"])
+def test_eagle_refuses_feature_layers_the_target_lacks(tiny_dir, tmp_path, one_thread, layers):
+    """The tiny target has 2 layers: a fused layer must be 0 (check_eagle_fits refuses the rest at
+    load time), and the run says so before it generates anything."""
+    with pytest.raises(SystemExit, match=r"--feature-layers \[\d\]: the target has 2 layers"):
+        main(_eagle(tiny_dir, tmp_path, "--steps", "1", "--feature-layers", layers))
+    assert not (tmp_path / "work" / "answers.jsonl").exists()
+
+
+@pytest.mark.parametrize("extra, error, words", [
+    (["--draft-vocab", "2"], ValueError, "--draft-vocab 2 is smaller than the"),
+    (["--data", "{tmp}/nope.npz"], SystemExit, "nope.npz: no such file"),
+    (["--init-draft", "{tmp}/nope"], SystemExit, "nope is not an EAGLE draft"),
+    (["--init-vocab"], SystemExit, "it needs --init-draft"),
+    (["--layers", "3"], SystemExit, "--layers is a flag of the llama draft"),
+    (["--init-from-target"], SystemExit, "--init-from-target is a flag of the llama draft"),
+    (["--mix", "0.9"], SystemExit, "--mix is a flag of the llama draft"),
+])
+def test_eagle_refuses_bad_arguments_before_generating(tiny_dir, tmp_path, one_thread, extra, error, words):
+    """Arguments that would fail late (after hours of answers and features) or be ignored are refused
+    before anything is generated."""
+    with pytest.raises(error, match=re.escape(words)):
+        main(_eagle(tiny_dir, tmp_path, "--steps", "1", *[a.format(tmp=tmp_path) for a in extra]))
+    assert not (tmp_path / "work" / "answers.jsonl").exists()
+
+
+def test_eagle_resume_refuses_another_draft_shape_or_other_data(tiny_dir, tmp_path, one_thread):
+    """--resume onto a checkpoint of another draft shape, or with training rows that changed (the
+    checkpoint's batch position would apply to other batches), exits with a message; the same
+    command resumes."""
+    args = _eagle(tiny_dir, tmp_path, "--steps", "2", "--resume")
+    main(args)
+    for extra, words in [(["--eagle-layers", "2"], "another draft shape (layers 1 there, 2 now)"),
+                         (["--feature-layers", "0"], "another draft shape (feature_layers [] there, [0] now)"),
+                         (["--answers", "6"], "another training data (rows")]:
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            main([*args, *extra])
+    assert main([*args, "--steps", "3"])["train"]["steps"] == 3
+
+
+def test_generation_time_budget_is_total_across_runs(tiny_dir, tmp_path, one_thread):
+    """A rerun of generate_answers with the same time budget generates nothing once earlier runs
+    spent it (the seconds are recorded beside the cache); a new cache starts a new budget."""
+    from specdec_tools.distill.answers import generate_answers, training_prompts
+    from specdec_tools.distill.data import Corpus
+    tok, model = load_tokenizer(tiny_dir), load_model(tiny_dir, dtype=torch.float32)
+    prompts = training_prompts(Corpus.build(10, 50, 0), tok)[:12]
+    path = tmp_path / "answers.jsonl"
+    budget = dict(batch=1, max_new=4, minutes=1e-5)  # spent by the first chunk of 4 answers
+    assert generate_answers(model, tok, prompts, path, **budget) == 4
+    assert generate_answers(model, tok, prompts, path, **budget) == 4
+    assert generate_answers(model, tok, prompts, path, batch=1, max_new=4) == 12  # no budget: the rest
+    path.unlink()
+    assert generate_answers(model, tok, prompts, path, **budget) == 4
+
+
+def test_eval_only_evaluates_on_the_split_the_draft_was_trained_with(tiny_dir, tmp_path, monkeypatch):
+    """--eval-only takes the held-out percentages the draft was trained with from its specdec.json;
+    a smaller one given is a subset of them, a larger one (training data) is refused."""
+    from specdec_tools.distill import cli
+    d = tmp_path / "s"
+    distill(tiny_dir, d, "--steps", "0", "--mix", "0", "--eval-prompts", "0", "--heldout-pct", "5",
+            "--heldout-chat-pct", "5")
+    seen = []
+    monkeypatch.setattr(cli, "run_eval", lambda d, t, args, *a: seen.append((args.heldout_pct, args.heldout_chat_pct))
+                        or {})
+    main(["--eval-only", str(d), "--threads", "1"])
+    main(["--eval-only", str(d), "--threads", "1", "--heldout-pct", "3"])
+    assert seen == [(5, 5), (3, 5)]
+    with pytest.raises(SystemExit, match="the draft was trained with --heldout-chat-pct 5"):
+        main(["--eval-only", str(d), "--threads", "1", "--heldout-chat-pct", "15"])

@@ -74,3 +74,16 @@ def test_training_rows_leave_out_user_questions_naming_held_out_topics(demo_tok)
 def test_topic_split_is_a_partition(pct):
     train, heldout = chat.split_topics(pct)
     assert set(train).isdisjoint(heldout) and sorted(train + heldout) == sorted(chat.all_topics())
+
+
+def test_singular_and_plural_name_the_same_held_out_topic():
+    """"volcanoes" and "volcano" name one topic (a final "e" goes after the "s", on both sides), as
+    "bee"/"bees", "whale"/"whales" and "phase"/"phases" do; "be" names no "bees"."""
+    _, heldout = chat.split_topics()
+    assert {"volcanoes", "bees", "whales", "the moon's phases"} <= set(heldout)
+    for q, topic in [("Why does a volcano erupt?", "volcanoes"), ("Why do volcanoes erupt?", "volcanoes"),
+                     ("Why does a bee dance?", "bees"), ("How big is a whale?", "whales"),
+                     ("What is the moon's phase tonight?", "the moon's phases")]:
+        assert chat.mentioned_topic(q, heldout) == topic, q
+    assert chat.mentioned_topic("What would be a good name for a cat?", heldout) is None
+    assert chat.clean_question("How are mountains formed by a volcano?", "mountains", avoid=heldout) is None

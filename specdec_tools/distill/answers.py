@@ -77,6 +77,24 @@ def append_jsonl(path: Path) -> TextIO:
     return path.open("a")
 
 
+def _seconds_file(path: Path) -> Path:
+    return Path(str(path) + ".seconds")
+
+
+def spent_seconds(path: Path) -> float:
+    """Generation seconds already spent on the cache `path` by earlier runs (0 while it does not exist):
+    a time budget counts them, so it is total across resumes, as the training budget is."""
+    path, f = Path(path), _seconds_file(path)
+    return float(f.read_text()) if path.is_file() and f.is_file() else 0.0
+
+
+def record_seconds(path: Path, seconds: float) -> None:
+    """Store the generation seconds spent on the cache `path` (beside it, `<path>.seconds`)."""
+    tmp = Path(str(_seconds_file(path)) + ".tmp")
+    tmp.write_text(f"{seconds:.3f}\n")
+    tmp.replace(_seconds_file(path))
+
+
 def plain_engine(model, tokenizer, batch: int, max_len: int) -> LLMEngine:
     """The target alone (no proposer) under continuous batching: how the target's own outputs are generated."""
     return LLMEngine(TargetWorker(model, batch, max_len), None, tokenizer,
@@ -88,7 +106,8 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
                      temperatures: list[float] | None = None, desc: str = "target answers", seed_offset: int = 0) -> int:
     """Append answers for prompts not yet in `path` (greedy, or at `temperatures[i]` with a seed
     derived from seed_offset + i, so a resumed run writes what an uninterrupted one would); stops at the time
-    or count budget. Returns the number of answers in the file."""
+    or count budget. The time budget `minutes` is total across runs: the seconds spent on `path` are
+    recorded beside it (`spent_seconds`). Returns the number of answers in the file."""
     from tqdm import tqdm
 
     path = Path(path)
@@ -98,12 +117,12 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
         todo = todo[: max(0, max_answers - len(done))]
     engine = plain_engine(model, tokenizer, batch, max((len(prompts[i][1]) for i in todo), default=0) + max_new + 8)
     temps = temperatures or [0.0] * len(prompts)
-    t0, n = time.perf_counter(), len(done)
+    t0, n, spent = time.perf_counter(), len(done), spent_seconds(path)
     bar = tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True)
     chunk = 4 * batch
     with append_jsonl(path) as f:
         for c in range(0, len(todo), chunk):
-            if minutes is not None and time.perf_counter() - t0 > 60 * minutes:
+            if minutes is not None and spent + time.perf_counter() - t0 > 60 * minutes:
                 break
             ids = todo[c: c + chunk]
             params = [SamplingParams(max_tokens=max_new, temperature=temps[i], seed=seed_offset + i) for i in ids]
@@ -112,6 +131,7 @@ def generate_answers(model, tokenizer, prompts: list[tuple[str, list[int]]], pat
                 f.write(json.dumps({"i": i, "kind": prompts[i][0], "prompt": prompts[i][1], "temperature": temps[i],
                                     "output": list(s.output_ids)}) + "\n")
             f.flush()
+            record_seconds(path, spent + time.perf_counter() - t0)
             n += len(ids)
             bar.update(len(ids))
             bar.set_postfix(tok_s=f"{engine.stats.emitted / (time.perf_counter() - t0):.0f}")

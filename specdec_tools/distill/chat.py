@@ -157,14 +157,23 @@ def seed_prompts(topics: list[str], seed: int = 0) -> list[ChatItem]:
 _STOP_WORDS = {"with", "every", "enough", "about", "from", "into", "your", "their", "this", "that"}
 
 
+def _stem(word: str) -> str:
+    """A plural's or possessive's "s" dropped, then a final "e" where 4+ letters remain, so singular
+    and plural meet ("volcano"/"volcanoes", "bee"/"bees", "phase"/"phases") and short words stay
+    apart ("be" is no "bee", "not" no "note")."""
+    w = word.removesuffix("s")
+    return w[:-1] if w.endswith("e") and len(w) > 4 else w
+
+
 def _words(text: str) -> set[str]:
-    """Lower-case words, a plural's or possessive's "s" dropped ("the moon's phases" -> moon, phase)."""
-    return {w.removesuffix("s") for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 1}
+    """Lower-case words, stemmed (`_stem`: "the moon's phases" -> moon, phas)."""
+    return {_stem(w) for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 1}
 
 
 def topic_words(topic: str) -> set[str]:
-    """The words that name a topic (4+ letters, not filler): all of them in a text = about it."""
-    return {w.removesuffix("s") for w in re.findall(r"[a-z]+", topic.lower()) if len(w) >= 4 and w not in _STOP_WORDS}
+    """The words that name a topic (4+ letters, not filler), stemmed as `_words` stems a text:
+    all of them in a text = about it."""
+    return {_stem(w) for w in re.findall(r"[a-z]+", topic.lower()) if len(w) >= 4 and w not in _STOP_WORDS}
 
 
 def mentioned_topic(text: str, topics: list[str]) -> str | None:

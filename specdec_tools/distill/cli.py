@@ -151,6 +151,30 @@ def _build_student(args, target_cfg, kept: list[int], init_sd: dict | None, ckpt
     return student
 
 
+def trained_split(extra: dict) -> dict:
+    """The held-out percentages a draft was trained with: stored in its specdec.json ("heldout"),
+    else (older drafts) read from its recorded command ({} if that does not parse)."""
+    if "heldout" in extra:
+        return extra["heldout"]
+    try:
+        a, _ = build_parser().parse_known_args(shlex.split(extra.get("command", ""))[1:])
+    except SystemExit:
+        return {}
+    return {"heldout_pct": a.heldout_pct, "heldout_chat_pct": a.heldout_chat_pct}
+
+
+def use_trained_split(args, argv: list[str], extra: dict) -> None:
+    """--eval-only evaluates on the split the draft was trained with: the trained percentages unless
+    given, and a larger one given is refused (its extra units and topics were training data)."""
+    for key, trained in trained_split(extra).items():
+        flag = "--" + key.replace("_", "-")
+        if not eagle_cli.given(argv, flag):
+            setattr(args, key, trained)
+        elif getattr(args, key) > trained:
+            raise SystemExit(f"{flag} {getattr(args, key)}: the draft was trained with {flag} {trained}, so a larger "
+                             "held-out share would evaluate it on its training data")
+
+
 def _update_metrics(draft_dir: Path, metrics: dict) -> dict:
     extra = resolve_extra(draft_dir)
     extra.setdefault("metrics", {}).update(metrics)
@@ -169,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         d = Path(args.eval_only)
         given = any(a.startswith("--target") for a in argv)
         target = args.target if given else resolve_extra(d).get("target", args.target)
+        use_trained_split(args, argv, resolve_extra(d))
         metrics = run_eval(d, target, args)
         print(json.dumps({k: v for k, v in metrics.items() if k != "acceptance"}, indent=1))
         if args.write_card:
@@ -250,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     full = len(kept) == target.args.vocab_size
     extra = {"target": str(args.target), "command": "specdec-distill " + shlex.join(argv),
+             "heldout": {"heldout_pct": args.heldout_pct, "heldout_chat_pct": args.heldout_chat_pct},
              "metrics": {"train": summary, "vocab": vocab_info}, "draft_vocab": None if full else kept}
     save_hf(student, out, tok, extra, parse_dtype(args.save_dtype))
     print(f"saved {out} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)

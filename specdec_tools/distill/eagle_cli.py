@@ -13,28 +13,35 @@ Caches and the optimizer state live in --work (default <out>.work), outside the 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shlex
 import time
+from array import array
 from pathlib import Path
 
 import torch
 
-from specdec.eagle_draft import EagleDraft, load_eagle
+from specdec.eagle_draft import EagleDraft, _dir, is_eagle, load_eagle
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
 from specdec.prompts import encode_chat
 from specdec_tools.distill import chat, packed
 from specdec_tools.distill.answers import generate_answers, read_jsonl, training_prompts
 from specdec_tools.distill.data import Corpus, TextMix
 from specdec_tools.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
-from specdec_tools.distill.teacher import special_ids
+from specdec_tools.distill.teacher import check_draft_vocab, special_ids
+
+# flags of the llama draft (specdec_tools.distill.cli) that --arch eagle has no use for
+LLAMA_ONLY = ("--layers", "--hidden", "--intermediate", "--heads", "--kv-heads", "--init-from-target",
+              "--train-embeddings", "--vocab-tokens", "--mix", "--gen-share", "--topk")
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("EAGLE drafts (--arch eagle)")
     g.add_argument("--answers", type=int, default=1000, help="target answers to generate (chat + code)")
-    g.add_argument("--gen-minutes", type=float, help="stop generating answers after this long")
+    g.add_argument("--gen-minutes", type=float,
+                   help="stop generating answers after this long (total across resumes)")
     g.add_argument("--gen-batch", type=int, default=24, help="batch size of answer generation")
     g.add_argument("--text-tokens", type=int, default=200_000, help="plain-text tokens prefilled for features")
     g.add_argument("--cls-weight", type=float, default=0.5, help="CE weight beside the feature regression")
@@ -59,7 +66,8 @@ def add_arguments(p) -> None:
     c = p.add_argument_group("everyday chat data (specdec_tools.distill.chat)")
     c.add_argument("--chat-answers", type=int, default=0, help="target answers to everyday-chat prompts")
     c.add_argument("--chat-minutes", type=float,
-                   help="time for chat answers (first turns get 1 - --follow-up-frac of it, second turns the rest)")
+                   help="time for chat answers, total across resumes (first turns get 1 - --follow-up-frac "
+                   "of it, second turns the rest)")
     c.add_argument("--chat-seed", type=int,
                    help="seed of the everyday-chat data alone (task templates, self-instruct questions, order, "
                    "sampled answers; default --seed): another value makes new conversations about the same "
@@ -69,9 +77,71 @@ def add_arguments(p) -> None:
                    help="share of chat answers sampled (half at temperature 0.7, half at 1.0), the rest greedy")
     c.add_argument("--follow-up-frac", type=float, default=0.2, help="chat answers continued by a second turn")
     c.add_argument("--resample-minutes", type=float, default=0.0,
-                   help="time for a second, sampled answer to the first-turn prompts (temperature 0.7 / 1.0, "
+                   help="time (total across resumes) for a second, sampled answer to the first-turn prompts "
+                   "(temperature 0.7 / 1.0, "
                    "the one the first answer did not use; other seeds): more of the target's distribution "
                    "per prompt, without writing questions")
+
+
+def given(argv: list[str], flag: str) -> bool:
+    """Whether `flag` is on the command line `argv` (`--flag value` or `--flag=value`)."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def check_flags(args, argv: list[str]) -> None:
+    """Refuse, before anything loads, what would otherwise be ignored or fail only after the answers
+    and features are made: flags of the llama draft, --init-vocab without --init-draft, --data files
+    that do not exist, an --init-draft that is no EAGLE draft."""
+    checks = [(given(argv, f), f"{f} is a flag of the llama draft (--arch llama)") for f in LLAMA_ONLY]
+    checks += [(args.init_vocab and not args.init_draft, "--init-vocab keeps --init-draft's vocabulary: "
+                "it needs --init-draft"),
+               *((not Path(f).is_file(), f"--data {f}: no such file") for f in args.data),
+               (bool(args.init_draft) and not is_eagle(args.init_draft),
+                f"--init-draft {args.init_draft} is not an EAGLE draft (no specdec.json with kind 'eagle')")]
+    problems = [msg for bad, msg in checks if bad]
+    if problems:
+        raise SystemExit("specdec-distill --arch eagle: " + "; ".join(problems))
+
+
+def draft_shape(args) -> dict:
+    """The draft this run trains: decoder layers (--eagle-layers, else --init-draft's, else 1) and
+    the target layers it fuses."""
+    init = json.loads((_dir(args.init_draft) / "config.json").read_text()) if args.init_draft else {}
+    return {"layers": args.eagle_layers or init.get("num_hidden_layers", 1),
+            "feature_layers": list(args.feature_layers)}
+
+
+def ckpt_shape(ckpt: dict | None) -> dict:
+    """The draft shape a checkpoint holds ({} without one): as recorded, else (older checkpoints)
+    the number of decoder layers its weights hold."""
+    if ckpt is None:
+        return {}
+    return ckpt.get("shape") or {"layers": len({k.split(".")[1] for k in ckpt["model"] if k.startswith("layers.")})}
+
+
+def check_feature_layers(layers: list[int], num_layers: int) -> None:
+    """The engine's rule (specdec.eagle_draft.check_eagle_fits): a fused layer i has 0 <= i < num_layers - 1."""
+    bad = [i for i in layers if not 0 <= i < num_layers - 1]
+    if bad:
+        raise SystemExit(f"--feature-layers {bad}: the target has {num_layers} layers; a fused layer must be "
+                         f"0 .. {num_layers - 2} (its last layer's output is the final feature itself)")
+
+
+def data_fingerprint(rows: list[tuple[str, list[int]]]) -> dict:
+    """Rows, tokens and a hash of the training rows' tokens in order: what a checkpoint trained on."""
+    h = hashlib.sha1()
+    for _, r in rows:
+        h.update(array("q", [len(r), *r]).tobytes())
+    return {"rows": len(rows), "tokens": sum(len(r) for _, r in rows), "sha1": h.hexdigest()[:16]}
+
+
+def refuse_changed(then: dict, now: dict, what: str, remedy: str) -> None:
+    """Exit when this run's `now` differs from what the checkpoint to resume recorded (`then`) on
+    any of its keys: training would go on with another draft or on other batches."""
+    changed = [f"{k} {v} there, {now.get(k)} now" for k, v in then.items() if now.get(k) != v]
+    if changed:
+        raise SystemExit(f"--resume: the checkpoint in the work directory was trained with another {what} "
+                         f"({'; '.join(changed)}): {remedy}")
 
 
 def held_out_free(answers: list[dict], tok, heldout_topics: list[str]) -> list[dict]:
@@ -158,6 +228,11 @@ def chat_rows(args, target, tok, work: Path) -> list[dict]:
 def run(args, argv: list[str]) -> dict:
     out = Path(args.out)
     work = Path(args.work or f"{out}.work")
+    check_flags(args, argv)
+    shape = draft_shape(args)
+    ckpt = torch.load(work / "ckpt.pt", weights_only=False) if args.resume and (work / "ckpt.pt").is_file() else None
+    refuse_changed(ckpt_shape(ckpt), shape, "draft shape", "resume with the --eagle-layers and --feature-layers "
+                   "it was trained with, or start over without --resume")
     work.mkdir(parents=True, exist_ok=True)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -165,7 +240,9 @@ def run(args, argv: list[str]) -> dict:
     tok = load_tokenizer(args.target)
     from transformers import AutoConfig
     target_cfg = AutoConfig.from_pretrained(materialize(resolve(args.target)).path)
+    check_draft_vocab(args.draft_vocab, target_cfg.vocab_size, special_ids(tok, target_cfg))
     target = load_model(args.target, dtype=parse_dtype(args.dtype_teacher))
+    check_feature_layers(args.feature_layers, target.args.num_layers)
     corpus = Corpus.build(args.heldout_pct, args.corpus_limit, args.seed)
     eos = tok.eos_token_id if tok.eos_token_id is not None else special_ids(tok, target_cfg)[0]
 
@@ -183,12 +260,15 @@ def run(args, argv: list[str]) -> dict:
         print(f"packed {len(answers)} answers into {packed.pack(args.pack_data, answers, shlex.join(argv))}", flush=True)
     answers += earlier_answers(args.data, answers)
     rows = training_rows(args, corpus, tok, eos, answers)
+    data = data_fingerprint(rows)
+    refuse_changed((ckpt or {}).get("data", {}), data, "training data",
+                   "resume with the flags it was trained with (the generation budgets are total across "
+                   "resumes), or start over without --resume")
     target.feature_layers = tuple(args.feature_layers)
     name = "features" + "".join(f"-{i}" for i in args.feature_layers)  # one cache per feature layout
     cache = FeatureCache.build(target, rows, path=work / f"{name}.pt")
     print(f"teacher features: {len(cache.tokens)} rows, {cache.num_tokens} tokens", flush=True)
 
-    ckpt = torch.load(work / "ckpt.pt", weights_only=False) if args.resume and (work / "ckpt.pt").is_file() else None
     init = load_eagle(args.init_draft, target, torch.float32) if args.init_draft else None
     if ckpt is not None:
         kept, vocab_info = ckpt["token_map"], ckpt.get("vocab_info", {})
@@ -198,7 +278,7 @@ def run(args, argv: list[str]) -> dict:
         kept, vocab_info = cache.select_vocab(args.draft_vocab, special_ids(tok, target_cfg))
     print(f"draft vocabulary: {len(kept)} tokens covering {vocab_info.get('coverage')} of the target's "
           f"greedy predictions on the training rows", flush=True)
-    layers = args.eagle_layers or (len(init.layers) if init is not None else 1)
+    layers = shape["layers"]
     draft = EagleDraft.for_target(target, torch.tensor(kept, dtype=torch.long), layers,
                                   feature_layers=args.feature_layers)
     if init is not None and ckpt is None:
@@ -207,12 +287,14 @@ def run(args, argv: list[str]) -> dict:
     cfg = EagleTrainConfig(minutes=args.minutes, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                            warmup=args.warmup, cls_weight=args.cls_weight, noise=args.noise, draft_steps=args.train_steps,
                            save_minutes=args.save_minutes, seed=args.seed, amp=not args.no_amp)
-    trainer = EagleTrainer(draft, cache, cfg, work, state=ckpt, meta={"vocab_info": vocab_info})
+    trainer = EagleTrainer(draft, cache, cfg, work, state=ckpt,
+                           meta={"vocab_info": vocab_info, "shape": shape, "data": data})
     if ckpt is not None:
         print(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min trained)", flush=True)
     summary = trainer.run()
     print("training: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
     extra = {"target": str(args.target), "command": "specdec-distill " + shlex.join(argv),
+             "heldout": {"heldout_pct": args.heldout_pct, "heldout_chat_pct": args.heldout_chat_pct},
              "metrics": {"train": summary, "vocab": vocab_info,
                          "data": {"answers": len(answers), "rows": len(cache.tokens), "tokens": cache.num_tokens}}}
     draft.save(out, tok, extra, parse_dtype(args.save_dtype))
@@ -228,13 +310,14 @@ def write_model_card(out: Path, extra: dict) -> Path:
     acc = m.get("acceptance", {})
     config = json.loads((out / "config.json").read_text())
     taps, n = config.get("feature_layers") or [], config["num_hidden_layers"]
+    head = config.get("draft_vocab_size", len(extra.get("draft_vocab") or []))  # the export's: `extra` may lack it
     feature = (f"[the target's layers {taps} (RMS-normalized) and final-norm feature, fused by a linear map (EAGLE-3, "
                "Li et al. 2025)" if taps else "[the target's final-norm feature")
     lines = [
         f"# EAGLE-style draft for `{extra.get('target')}`", "",
         f"{'One decoder layer' if n == 1 else f'{n} decoder layers'} over {feature}, the next token's embedding] that",
         "predicts the target's next feature (Li et al. 2024, EAGLE-1), with the target's own embedding and",
-        f"the target's head rows for {len(extra.get('draft_vocab', []))} tokens (FR-Spec, Zhao et al. 2025) "
+        f"the target's head rows for {head} tokens (FR-Spec, Zhao et al. 2025) "
         "shared at load time, so",
         f"only {'fuse, ' if taps else ''}the fc and the {'layer' if n == 1 else 'layers'} are stored: {size / 1e6:.1f} MB ({'bf16' if size else '-'} safetensors).",
         "Load it with `proposer=eagle draft=<this directory>` (or `proposer=hybrid`); see specdec/eagle_draft.py.", "",

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.eagle_draft import EagleDraft
+from specdec_tools.distill.teacher import check_draft_vocab
 from specdec_tools.distill.train import lr_factor
 
 
@@ -111,6 +112,7 @@ class FeatureCache:
     def select_vocab(self, n: int, specials: list[int]) -> tuple[list[int], dict]:
         """The n tokens the target predicted most (plus `specials`) and their coverage."""
         V = len(self.pred_counts)
+        check_draft_vocab(n, V, specials)
         if n <= 0 or n >= V:
             return list(range(V)), {"coverage": 1.0}
         score = self.pred_counts.double()
@@ -212,7 +214,7 @@ def _collate(cache: FeatureCache, rows: list[int]) -> tuple[Tensor, Tensor, Tens
 class EagleTrainer:
     """Epochs over the feature cache (shuffled length-bucketed batches), AdamW with warmup and a
     cosine schedule on the run's progress; `ckpt.pt` (model, optimizer, step, time, epoch and the
-    batches of it done, plus `meta`) every `save_minutes`.
+    batches of it done, the running average of the step metrics, plus `meta`) every `save_minutes`.
 
     Every random draw is a function of what the checkpoint holds, as in the llama trainer: an
     epoch's batch order is seeded by (seed, epoch) and a step's input noise by (seed, step), so a
@@ -226,13 +228,14 @@ class EagleTrainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step, self.elapsed, self.epoch, self.tokens_seen = 0, 0.0, 0, 0
         self.epoch_pos = 0  # batches of the current epoch already trained
-        self.last: dict = {}
+        self.last: dict = {}  # running average (0.95) of the step metrics: the summary's train_top1/loss
         if state is not None:
             draft.load_state_dict(state["model"], strict=False)
             self.opt.load_state_dict(state["opt"])
             self.step, self.elapsed = state["step"], state["elapsed"]
             self.epoch, self.tokens_seen = state.get("epoch", 0), state.get("tokens_seen", 0)
             self.epoch_pos = state.get("epoch_pos", 0)
+            self.last = state.get("last", {})
 
     def progress(self) -> float:
         parts = []
@@ -245,7 +248,7 @@ class EagleTrainer:
     def save(self) -> None:
         state = {"model": self.draft.trained_state(), "opt": self.opt.state_dict(), "step": self.step,
                  "elapsed": self.elapsed, "epoch": self.epoch, "epoch_pos": self.epoch_pos,
-                 "tokens_seen": self.tokens_seen, "cfg": asdict(self.cfg),
+                 "tokens_seen": self.tokens_seen, "last": self.last, "cfg": asdict(self.cfg),
                  "token_map": self.draft.token_map.tolist(), **self.meta}
         tmp = self.out / "ckpt.pt.tmp"
         torch.save(state, tmp)
@@ -276,13 +279,20 @@ class EagleTrainer:
         self.tokens_seen += int(mask.sum())
         return {**info, "loss": loss.item(), "lr": lr}
 
+    def averaged(self, info: dict) -> dict:
+        """The running average after a step with metrics `info`. It lives in the checkpoint, so a
+        resumed run goes on averaging where the interrupted one stopped (and a rerun at the final
+        step, training nothing, reports what the finished run did)."""
+        if not self.last:
+            return dict(info)
+        return {k: 0.95 * self.last.get(k, v) + 0.05 * v for k, v in info.items()}
+
     def run(self) -> dict:
         from tqdm import tqdm
 
         self.draft.train()
         bar = tqdm(total=100, desc="train eagle", unit="%", dynamic_ncols=True, initial=int(100 * self.progress()))
         last_save = time.perf_counter()
-        ema = None
         while self.progress() < 1.0:
             for rows in self.epoch_groups()[self.epoch_pos:]:  # a resumed run skips the batches done
                 if self.progress() >= 1.0:
@@ -291,10 +301,10 @@ class EagleTrainer:
                 info = self.train_step(rows)
                 self.elapsed += time.perf_counter() - t0
                 self.epoch_pos += 1
-                ema = info if ema is None else {k: 0.95 * ema[k] + 0.05 * v for k, v in info.items()}
+                self.last = self.averaged(info)
                 bar.n = int(100 * min(1.0, self.progress()))
-                bar.set_postfix(step=self.step, ep=self.epoch, loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}",
-                                top1_2=f"{ema.get('top1_step2', 0.0):.3f}",
+                bar.set_postfix(step=self.step, ep=self.epoch, loss=f"{self.last['loss']:.3f}",
+                                top1=f"{self.last['top1']:.3f}", top1_2=f"{self.last.get('top1_step2', 0.0):.3f}",
                                 tok_s=f"{self.tokens_seen / max(self.elapsed, 1e-9):.0f}")
                 bar.refresh()
                 if time.perf_counter() - last_save > 60 * self.cfg.save_minutes:
@@ -304,7 +314,6 @@ class EagleTrainer:
                 self.epoch, self.epoch_pos = self.epoch + 1, 0
         bar.close()
         self.save()
-        self.last = ema or {}
         self.draft.eval()
         return {"steps": self.step, "epochs": round(self.epoch + 0.0, 2), "minutes": round(self.elapsed / 60, 2),
                 "tokens_seen": self.tokens_seen, "train_top1": round(self.last.get("top1", 0.0), 4),

@@ -88,14 +88,19 @@ def special_ids(tokenizer, config=None) -> list[int]:
     return sorted(i for i in ids if i is not None and i >= 0)
 
 
+def check_draft_vocab(n: int, vocab_size: int, specials: list[int]) -> None:
+    """Refuse a reduced head (0 < n < vocab_size; otherwise the full one) too small for the special tokens."""
+    if 0 < n < vocab_size and len(specials) >= n:
+        raise ValueError(f"--draft-vocab {n} is smaller than the {len(specials)} special tokens")
+
+
 def select_vocab(teacher: Teacher, rows: list[list[int]], n: int, vocab_size: int,
                  specials: list[int]) -> tuple[list[int], dict]:
     """The `n` tokens the target predicts most often on `rows` (ties and any shortfall filled by
     input frequency), plus `specials`; sorted ids and a summary (coverage on these rows)."""
+    check_draft_vocab(n, vocab_size, specials)
     if n <= 0 or n >= vocab_size:
         return list(range(vocab_size)), {"coverage": 1.0, "tokens": 0}
-    if len(specials) >= n:
-        raise ValueError(f"--draft-vocab {n} is smaller than the {len(specials)} special tokens")
     pred = torch.zeros(vocab_size, dtype=torch.long)
     seen = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(0, len(rows), teacher.chunk_rows):
