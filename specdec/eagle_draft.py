@@ -10,7 +10,7 @@ g_p ~ f_{p+1}; the token after x_{p+1} is drafted from head(g_p). Later draft st
 predictions g back in place of the target's features. The embedding and the head are the
 target's own, frozen and not stored: the head keeps only the rows of a reduced vocabulary
 (FR-Spec, Zhao et al. 2025), which the rejection sampler handles losslessly. What a checkpoint
-holds is small: fc and the decoder layer (~4.5M parameters for a 576-wide target).
+holds is small: fc and the decoder layer (~4.2M parameters for a 576-wide target, 5.2M with EAGLE-3's fusion).
 
 EAGLE-3's feature fusion (Li et al. 2025) is optional: a draft with `feature_layers` reads, in
 place of f_p, [t_p^(l1); ...; f_p] -- the RMS-normalized outputs of those target layers before the
