@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.eagle_draft import EagleDraft, _dir, is_eagle, load_eagle
+from specdec.eagle_draft import EagleDraft, is_eagle, load_eagle
 from specdec.loader import load_model, load_tokenizer, materialize, parse_dtype, resolve
 from specdec.prompts import encode_chat
 from specdec_tools.distill import chat, packed
@@ -106,7 +106,7 @@ def check_flags(args, argv: list[str]) -> None:
 def draft_shape(args) -> dict:
     """The draft this run trains: decoder layers (--eagle-layers, else --init-draft's, else 1) and
     the target layers it fuses."""
-    init = json.loads((_dir(args.init_draft) / "config.json").read_text()) if args.init_draft else {}
+    init = json.loads((resolve(args.init_draft).path / "config.json").read_text()) if args.init_draft else {}
     return {"layers": args.eagle_layers or init.get("num_hidden_layers", 1),
             "feature_layers": list(args.feature_layers)}
 
