@@ -181,8 +181,15 @@ def load_hf_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32):
 
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load `spec` as a compact `Transformer` (see specdec.model) in `dtype` on `device`."""
-    from specdec.model import Linear, Transformer
+    from transformers import AutoConfig
 
+    from specdec.model import Linear, ModelArgs, Transformer
+
+    src = materialize(resolve(spec))
+    try:  # an architecture the runner lacks is refused from its config, before its weights load
+        ModelArgs.from_hf_config(AutoConfig.from_pretrained(src.path))
+    except ValueError as e:
+        raise ModelLoadError(f"{src.label}: {e}") from None
     hf = load_hf_model(spec, dtype=dtype)  # in the runner's dtype: a tied head stays one tensor, no float32 copy
     model = Transformer.from_hf(hf, dtype=dtype)
     model.source = str(spec)

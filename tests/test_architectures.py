@@ -65,7 +65,7 @@ def test_unsupported_architectures_are_refused(kind, extra, match):
         ModelArgs.from_hf_config(_config(kind, **extra))
 
 
-def test_an_unsupported_target_or_draft_fails_the_build(tmp_path, tiny_dir):
+def test_an_unsupported_target_or_draft_fails_the_build(tmp_path, tiny_dir, monkeypatch):
     from serve_app.args import AppArgs
     gemma = _checkpoint(tmp_path / "gemma", "gemma")
     with pytest.raises(ValueError, match=f"target {gemma}: model_type 'gemma' is not supported"):
@@ -73,6 +73,15 @@ def test_an_unsupported_target_or_draft_fails_the_build(tmp_path, tiny_dir):
     with pytest.raises(ValueError, match=f"draft {gemma}: model_type 'gemma' is not supported"):
         AppArgs(target=str(tiny_dir), proposer="draft", draft=str(gemma), dtype="float32",
                 max_model_len=128).validate_models()
+    # the engine alone (specdec-bench, LLMEngine) refuses it from its config too, naming the checkpoint,
+    # before its weights load (it loaded them all, then failed without saying which model)
+    from specdec import loader
+
+    def no_weights(*a, **kw):
+        raise AssertionError("weights loaded before the architecture was checked")
+    monkeypatch.setattr(loader, "load_hf_model", no_weights)
+    with pytest.raises(loader.ModelLoadError, match=f"{gemma}: model_type 'gemma' is not supported"):
+        loader.load_model(gemma)
 
 
 def test_a_draft_with_fewer_positions_caps_or_refuses_max_model_len(tmp_path, tiny_dir):
