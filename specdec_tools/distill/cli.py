@@ -160,7 +160,7 @@ def trained_split(extra: dict) -> dict:
         a, _ = build_parser().parse_known_args(shlex.split(extra.get("command", ""))[1:])
     except SystemExit:
         return {}
-    return {"heldout_pct": a.heldout_pct, "heldout_chat_pct": a.heldout_chat_pct}
+    return eagle_cli.heldout_split(a)
 
 
 def use_trained_split(args, argv: list[str], extra: dict) -> None:
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--write-card goes with --eval-only DIR")
     if args.eval_only:
         d = Path(args.eval_only)
-        given = any(a.startswith("--target") for a in argv)
+        given = eagle_cli.given(argv, "--target")
         target = args.target if given else resolve_extra(d).get("target", args.target)
         use_trained_split(args, argv, resolve_extra(d))
         metrics = run_eval(d, target, args)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     full = len(kept) == target.args.vocab_size
     extra = {"target": str(args.target), "command": "specdec-distill " + shlex.join(argv),
-             "heldout": {"heldout_pct": args.heldout_pct, "heldout_chat_pct": args.heldout_chat_pct},
+             "heldout": eagle_cli.heldout_split(args),
              "metrics": {"train": summary, "vocab": vocab_info}, "draft_vocab": None if full else kept}
     save_hf(student, out, tok, extra, parse_dtype(args.save_dtype))
     print(f"saved {out} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)

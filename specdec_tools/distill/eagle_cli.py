@@ -88,6 +88,11 @@ def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def heldout_split(args) -> dict:
+    """The held-out percentages of a run (recorded in the draft's specdec.json, read by --eval-only)."""
+    return {"heldout_pct": args.heldout_pct, "heldout_chat_pct": args.heldout_chat_pct}
+
+
 def check_flags(args, argv: list[str]) -> None:
     """Refuse, before anything loads, what would otherwise be ignored or fail only after the answers
     and features are made: flags of the llama draft, --init-vocab without --init-draft, --data files
@@ -294,7 +299,7 @@ def run(args, argv: list[str]) -> dict:
     summary = trainer.run()
     print("training: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
     extra = {"target": str(args.target), "command": "specdec-distill " + shlex.join(argv),
-             "heldout": {"heldout_pct": args.heldout_pct, "heldout_chat_pct": args.heldout_chat_pct},
+             "heldout": heldout_split(args),
              "metrics": {"train": summary, "vocab": vocab_info,
                          "data": {"answers": len(answers), "rows": len(cache.tokens), "tokens": cache.num_tokens}}}
     draft.save(out, tok, extra, parse_dtype(args.save_dtype))
