@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.common import MaxModelLen, replica_id
+from deployments.common import MaxModelLen, Traced, replica_id
 from deployments.target import TargetFault
-from deployments.tracing import ensure_provider, inject, mark_error, span
+from deployments.tracing import ensure_provider, inject, mark_error, sampled_first, span
 from specdec.loader import load_tokenizer
 from specdec.metadata import DraftOutput
 from specdec.sampling import SamplingParams
@@ -79,7 +79,7 @@ class SchedulingConfig(BaseModel):
     ngram_k: int = Field(8, ge=0, le=32, description="In rounds of one row: proposer='hybrid''s greedy rows drafted by prompt lookup propose up to this many tokens instead of k, and a plain round's lookups run up to this many instead of lookup_k (a lookup costs no draft forward, and at batch 1 in bf16 eight positions verify in ~1.1 forwards; engine, code prompts: 1.94x -> 2.06x; plain rounds with lookups at batch 1, answers to EOS: 1.49-1.50x -> 1.51-1.54x); a request's num_speculative_tokens caps it; 0: k and lookup_k.")
 
 
-class RouterConfig(SchedulingConfig):
+class RouterConfig(SchedulingConfig, Traced):
     """Configuration of the Router (ingress) deployment: the scheduling knobs, and what the
     builder derives from the app's arguments."""
 
@@ -185,7 +185,7 @@ class Batcher:
         self.requests: dict = {}  # request group -> _RequestTally (metrics count requests, not sequences)
         self._background: set[asyncio.Task] = set()  # releases re-delivered after a failed call
         self.id = replica_id()
-        ensure_provider()
+        ensure_provider(self.cfg.tracing_env)
 
     def _make_metrics(self):
         try:
@@ -405,8 +405,8 @@ class Batcher:
             calls["target_back"] = time.time()
             return out
 
-        ctxs = [s.meta.get("trace_ctx") for s in plan.seqs]
-        with span("router.round", parent=ctxs[0], links=ctxs[1:], batch_size=len(plan.seqs),
+        parent, links = sampled_first([s.meta.get("trace_ctx") for s in plan.seqs])
+        with span("router.round", parent=parent, links=links, batch_size=len(plan.seqs),
                   k_max=plan.draft_batch.max_draft,
                   request_ids=",".join(str(s.meta.get("request_id", s.seq_id)) for s in plan.seqs)) as sp:
             plan.draft_batch.trace_context = inject()
@@ -414,8 +414,10 @@ class Batcher:
             if r is None:  # the target call failed, and with it the lane's requests
                 mark_error(sp, self.errors.get(plan.seqs[0].seq_id) or RequestFailed("target call failed"))
                 return
-            sp.set(proposed=sum(r.judged_drafts), accepted=sum(r.verify.num_accepted), emitted=sum(r.emitted),
-                   bonus=sum(1 for n, m in zip(r.draft.num_draft, r.verify.num_accepted) if n and m == n))
+            kept = plan.kept  # (as the requests' usage counts them: nothing past a stop)
+            sp.set(proposed=sum(r.judged_drafts), emitted=sum(kept),
+                   accepted=sum(min(m, e) for m, e, n in zip(r.verify.num_accepted, kept, r.judged_drafts) if n),
+                   bonus=sum(1 for n, m, e in zip(r.judged_drafts, r.verify.num_accepted, kept) if n and m == n < e))
         self._account(r)
         if not sched.has_work and not self.queue:
             # the lane's last round: free its slots before its clients hear back, so a request they

@@ -1,6 +1,6 @@
 """What the deployments share: the model-runtime settings (one definition of dtype, device,
-max_model_len and threads, inherited by each model deployment's config), the model thread,
-replica identity."""
+max_model_len and threads, inherited by each model deployment's config), the tracing setup, the
+model thread, replica identity."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +21,16 @@ NumThreads = Annotated[int, Field(ge=0, description="torch threads per model pro
 ForwardTimeout = Annotated[float, Field(gt=0, description="A model call (one verify or proposal) running longer than this fails the replica's health check, so Serve replaces a replica whose forward hangs; also the timeout of a tensor-parallel group's collectives (a rank that failed alone). Longer than the longest prefill.")]
 
 
-class ModelRuntime(BaseModel):
+class Traced(BaseModel):
+    """A deployment whose replicas (and the processes they start) install the app's tracing."""
+
+    tracing_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables that set up tracing in each replica and "
+        "the processes it starts (AppArgs.tracing_env; deployments.tracing.ensure_provider). In the "
+        "config, not the runtime_env: a Serve config's ray_actor_options replace the whole runtime_env.")
+
+
+class ModelRuntime(Traced):
     """How a model replica runs: the settings every model-holding deployment shares."""
 
     dtype: Dtype = "float32"

@@ -56,11 +56,11 @@ class DraftDeployment:
 
     def __init__(self, config: dict):
         self.cfg = c = DraftConfig(**config)
+        ensure_provider(c.tracing_env)
         self.thread = ModelThread(c.num_threads, "draft")  # all torch work of the replica
         self.proposer = self.thread.run(make_proposer, c)
         self.proposed = LoadMeter()
         self.id = replica_id()
-        ensure_provider()
         log.info("draft replica %s ready (%s)", self.id, c.proposer)
 
     def __del__(self) -> None:

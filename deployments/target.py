@@ -101,6 +101,7 @@ class TPWorker:
 
     def __init__(self, cfg: dict, rank: int, world: int):
         self.cfg, self.rank, self.world = TargetConfig(**cfg), rank, world
+        ensure_provider(self.cfg.tracing_env)
         self.model = None
 
     def init(self, backend: str, addr: str, port: int) -> int:
@@ -190,13 +191,13 @@ class TargetDeployment:
 
     def __init__(self, config: dict):
         self.cfg = TargetConfig(**config)
+        ensure_provider(self.cfg.tracing_env)
         self.thread = ModelThread(self.cfg.num_threads, "target")  # rank 0's torch work, all of it
         self.workers = self.thread.run(self._start_workers) if self.cfg.tp > 1 else []
         self.worker = self.thread.run(self._load)
         self.broken: str | None = None  # why the TP group cannot serve any more
         self.tokens = LoadMeter()
         self.id = replica_id()
-        ensure_provider()
         log.info("target replica %s ready (tp=%d, %s)", self.id, self.cfg.tp, self.cfg.dtype)
 
     async def __del__(self) -> None:

@@ -6,9 +6,10 @@ boundaries as a W3C carrier dict (`inject()` on one side, the `carrier` argument
 
 Where spans go is set up elsewhere: Serve replicas get a tracer provider from Ray Serve's
 built-in tracing or from serve_app.telemetry.setup_tracing, which hands its tracer to this module
-(`use_tracer`). Plain actors such as the TP workers are not Serve replicas, so they install one
-themselves from the import path in SPECDEC_TRACING_SETUP (the indirection Ray uses for
-RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH). With no provider installed every call is the API's no-op.
+(`use_tracer`). Each replica and TP worker calls it through `ensure_provider`, from the import path
+in SPECDEC_TRACING_SETUP (the indirection Ray uses for RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH) and
+the app's tracing variables, which come in each deployment's config. With no provider installed
+every call is the API's no-op.
 """
 from __future__ import annotations
 
@@ -44,9 +45,14 @@ def flush(timeout_s: float = 5.0) -> None:
         _flush(int(timeout_s * 1000))
 
 
-def ensure_provider() -> None:
-    """Install this process's tracer provider once, if SPECDEC_TRACING_SETUP names a setup function."""
+def ensure_provider(env: Mapping[str, str] | None = None) -> None:
+    """Install this process's tracer provider once, if SPECDEC_TRACING_SETUP names a setup function.
+
+    `env`: the app's tracing variables (AppArgs.tracing_env), set in this process first. They come
+    in each deployment's config, not in its runtime_env: a Serve config's `ray_actor_options`
+    replace the whole runtime_env, and with it a replica's tracing."""
     global _setup_done
+    os.environ.update(env or {})
     if _setup_done:
         return
     _setup_done = True
@@ -87,20 +93,40 @@ def mark_error(sp, error: BaseException) -> None:
     sp.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
 
 
-def start_span(name: str, carrier: Mapping[str, str] | None = None, **attrs) -> tuple[Any, Context]:
-    """A span the caller ends, child of `carrier`'s context (an incoming `traceparent`), else of
-    the current span (e.g. Serve's request span), else a root; but of the current span when that
-    is already in the carrier's trace (Serve's span under the client's: nested, not its sibling).
-    Returns it and the Context that holds it (give it to work done for this span: it is what
-    `inject(ctx)` sends on)."""
+def _span_context(ctx: Context | None):
+    return trace.get_current_span(ctx).get_span_context() if ctx is not None else trace.INVALID_SPAN_CONTEXT
+
+
+def start_span(name: str, carrier: Mapping[str, str] | None = None, server: Context | None = None,
+               **attrs) -> tuple[Any, Context]:
+    """A span the caller ends, child of the `server`'s request span (Ray Serve's, with Serve's
+    tracing on) when it holds one in the trace of `carrier` (an incoming `traceparent`) or there is
+    none; else of the carrier's context, but of the current span when that is in the carrier's
+    trace (an ingress span under the client's: nested, not its sibling); else of the current span,
+    else a root. Returns it and the Context that holds it (give it to work done for this span: it
+    is what `inject(ctx)` sends on)."""
     ensure_provider()
     current = otel_context.get_current()
-    parent = _extract(carrier or {}, context=current)
-    here = trace.get_current_span(current).get_span_context()
-    if here.is_valid and trace.get_current_span(parent).get_span_context().trace_id == here.trace_id:
+    client = _extract(carrier or {}, context=Context())
+    trace_id = _span_context(client).trace_id if _span_context(client).is_valid else None
+    if _span_context(server).is_valid and trace_id in (None, _span_context(server).trace_id):
+        parent = server
+    elif trace_id is None or _span_context(current).trace_id == trace_id:
         parent = current
+    else:
+        parent = _extract(carrier, context=current)
     sp = _tracer.start_span(name, context=parent, attributes=attrs or None)
     return sp, trace.set_span_in_context(sp, parent)
+
+
+def sampled_first(contexts: list[Context | None]) -> tuple[Context | None, list[Context | None]]:
+    """The parent and the links of a span that serves several requests (a batched round): the first
+    context whose span is sampled, so that a sampled request keeps its rounds (the child of an
+    unsampled parent is dropped with it), and the others as links."""
+    for i, c in enumerate(contexts):
+        if c is not None and trace.get_current_span(c).get_span_context().trace_flags.sampled:
+            return c, contexts[:i] + contexts[i + 1:]
+    return (contexts[0], contexts[1:]) if contexts else (None, [])
 
 
 @contextmanager

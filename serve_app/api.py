@@ -15,7 +15,9 @@ or keys (SPECDEC_DEBUG_LOG_PROMPTS=1 adds prompts for debugging).
 import asyncio
 import dataclasses
 import hmac
+import inspect
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -63,14 +65,32 @@ class _Stream(StreamingResponse):
             self._end()
 
 
+def _serve_trace_context():
+    """Ray Serve's request span (with Serve's tracing on), the parent of ours; None without it."""
+    try:
+        return serve.get_trace_context()
+    except Exception:  # noqa: BLE001 - not in a replica, or a Serve without it
+        return None
+
+
 def _route_path(scope) -> str:
     """The request path inside the application (its route prefix, Serve's root_path, removed)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return (path[len(root):] if root and path.startswith(root) else path).rstrip("/") or "/"
 
 
+def _fastapi_telemetry() -> dict:
+    """FastAPI's own HTTP spans (FastAPI >= 0.165) stay off under Ray Serve's tracing: they start
+    from the headers alone, so without a client `traceparent` each request got a trace of its own
+    beside Serve's request trace, which holds ours."""
+    if os.environ.get("RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH") and "telemetry" in inspect.signature(FastAPI).parameters:
+        return {"telemetry": {"tracing": False}}
+    return {}
+
+
 app = FastAPI(title="specdec-serve", description="OpenAI-compatible speculative decoding",
-              docs_url=None, redoc_url=None, openapi_url=None)  # the OpenAI schema is the contract
+              docs_url=None, redoc_url=None, openapi_url=None,  # the OpenAI schema is the contract
+              **_fastapi_telemetry())
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -282,14 +302,15 @@ class OpenAIIngress:
         params = self._prepare(req, prompts)
         out = (CompletionResponses if isinstance(req, CompletionRequest) else ChatResponses)(model=self.cfg.model_name)
         rid = out.request_id
-        span, ctx = tracing.start_span("router.request", dict(request.headers), request_id=rid,
-                                       stream=bool(req.stream), n=req.num_choices, prompts=len(prompts))
+        span, ctx = tracing.start_span("router.request", dict(request.headers), _serve_trace_context(),
+                                       request_id=rid, stream=bool(req.stream), n=req.num_choices, prompts=len(prompts))
         if constants.DEBUG_LOG_PROMPTS:
             log.info("request %s prompts=%r", rid, prompts)
         # choices are prompt-major: index = prompt * n + choice
         try:
             seqs = self.batcher.submit(prompts, params, group=rid)  # all or none
-        except BaseException:
+        except BaseException as e:  # (refused: overloaded, or too large for any lane)
+            tracing.mark_error(span, e)
             span.end()
             raise
         for s in seqs:
@@ -305,7 +326,6 @@ class OpenAIIngress:
                 end(e)
                 raise
             usage = self._usage(seqs, prompts)
-            span.set_attribute("completion_tokens", usage.completion_tokens)
             return JSONResponse(wire(out.response([s.text for s in seqs], [_finish(s) for s in seqs], usage)))
         finally:
             end()
@@ -321,6 +341,7 @@ class OpenAIIngress:
                 ended = True
                 for s in seqs:
                     self.batcher.finish(s)
+                span.set_attribute("completion_tokens", sum(s.num_output for s in seqs))  # (streamed or not)
                 if error is not None:
                     tracing.mark_error(span, error)
                 span.end()

@@ -128,6 +128,11 @@ class AppArgs(SchedulingConfig, ProposerSettings):
         return self.proposer != "none" and self.num_speculative_tokens > 0
 
     @property
+    def draft_on_device(self) -> bool:
+        """The Draft replicas hold a model on `device` (n-gram lookup holds none: no GPU for it)."""
+        return self.proposer != "ngram"
+
+    @property
     def uses_features(self) -> bool:
         """The draft reads the target's features (an EAGLE-style checkpoint)."""
         from specdec.eagle_draft import is_eagle
@@ -146,7 +151,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
 
     def tracing_env(self) -> dict[str, str]:
         """Environment for every replica (and TP worker) so that each installs the same tracing
-        (tracing=None: each process reads the OTel / SPECDEC_TRACING_* variables it inherits)."""
+        (tracing=None: each process reads the OTel / SPECDEC_TRACING_* variables it inherits);
+        each deployment's config carries it (deployments.common.Traced)."""
         env = {"SPECDEC_TRACING_SETUP": "serve_app.telemetry:setup_tracing"}
         return env if self.tracing is None else env | self.tracing.env()
 
@@ -160,7 +166,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     def _runtime(self) -> dict:
         """The shared model-runtime settings (deployments.common.ModelRuntime) of draft and target."""
         return {"dtype": self.dtype, "device": self.device, "max_model_len": self._max_len(),
-                "num_threads": self.num_threads, "forward_timeout_s": self.forward_timeout_s}
+                "num_threads": self.num_threads, "forward_timeout_s": self.forward_timeout_s,
+                "tracing_env": self.tracing_env()}
 
     def target_config(self) -> TargetConfig:
         return TargetConfig(**self._runtime(), model=self.target, tp=self.tp, num_slots=self.target_slots,
@@ -185,7 +192,7 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                             max_lanes=max(1, self.total_lanes // self.router_replicas),
                             speculate=self.speculate, max_model_len=self._max_len(),
                             proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round
-                            features=self.uses_features)
+                            features=self.uses_features, tracing_env=self.tracing_env())
 
     @property
     def target_slots(self) -> int:

@@ -53,7 +53,7 @@ SERVE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SER
 
 def _actor_options(args: AppArgs, num_cpus: float, num_gpus: float = 0) -> dict:
     return {"num_cpus": num_cpus, "num_gpus": num_gpus,
-            "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **args.tracing_env()}}}
+            "runtime_env": {"env_vars": dict(SERVE_REPLICA_ENV)}}  # (tracing: in each deployment's config)
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application:
@@ -75,7 +75,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
     if dcfg is not None:
         draft = serve.deployment(
             DraftDeployment, name="Draft",
-            ray_actor_options=_actor_options(a, a.draft_cpus, 1 if a.device == "cuda" else 0),
+            ray_actor_options=_actor_options(a, a.draft_cpus, 1 if a.device == "cuda" and a.draft_on_device else 0),
             max_ongoing_requests=8 * a.lanes_per_target, request_router_config=affinity,
             health_check_period_s=2, health_check_timeout_s=30,
             **_scaling(a, "Draft", a.draft_replicas, a.max_draft_replicas),

@@ -3,7 +3,7 @@
 `setup_tracing(cfg)` installs, once per process, a TracerProvider (sampler: ParentBased(
 TraceIdRatioBased(sampling_ratio)), or the SDK's own from OTEL_TRACES_SAMPLER) with one exporter
 from `EXPORTERS`: "otlp" (OTLP over HTTP/protobuf, batched), "console" (stdout), "jsonl" (one
-compact JSON object per span -- trace_id, span_id, parent_id, times, attributes, resource, pid --
+compact JSON object per span -- trace_id, span_id, parent_id, times, attributes, links, resource, pid --
 appended to a file that several processes can share, batched), "memory" (tests, debugging). With
 "none" nothing is installed and spans cost a no-op call.
 
@@ -136,6 +136,8 @@ def span_to_json_line(span: Any) -> str:
         "attributes": dict(span.attributes or {}),
         "events": [{"name": e.name, "ts_ns": e.timestamp, "attributes": dict(e.attributes or {})}
                    for e in span.events],
+        "links": [{"trace_id": format(l.context.trace_id, "032x"), "span_id": format(l.context.span_id, "016x"),
+                   "attributes": dict(l.attributes or {})} for l in span.links],
         "resource": dict(span.resource.attributes) if span.resource is not None else {},
         "pid": os.getpid(),
     }

@@ -144,6 +144,20 @@ def test_command_line_strings_parse(short_dir):
             AppArgs(target=str(short_dir), proposer="ngram", **bad)
 
 
+def test_every_deployments_config_carries_the_apps_tracing(short_dir):
+    """Explicit tracing reaches each replica (and the TP workers, through the Target's config) in its
+    config: a Serve config's ray_actor_options replace the whole runtime_env, and k8s/rayservice.yaml
+    overrides the Router's and the Draft's, which then traced nothing."""
+    from serve_app.builder import _actor_options
+    a = _resolved(target=str(short_dir), tracing={"exporter": "otlp", "otlp_endpoint": "http://c:4318/v1/traces",
+                                                  "sampling_ratio": 0.1})
+    env = a.tracing_env()
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1" and env["SPECDEC_TRACING_EXPORTER"] == "otlp"
+    for cfg in (a.router_config(), a.target_config(), a.draft_config()):
+        assert cfg.tracing_env == env, type(cfg).__name__
+    assert not set(env) & set(_actor_options(a, 1.0)["runtime_env"]["env_vars"])  # (not where an override drops it)
+
+
 def test_lanes_cover_every_initial_target_replica(short_dir):
     a = AppArgs(target=str(short_dir), proposer="ngram", autoscaling=True, target_replicas=4, max_target_replicas=1)
     assert a.total_lanes == 4 * a.lanes_per_target  # not 1 target's lanes over 4 replicas

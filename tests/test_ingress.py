@@ -226,3 +226,69 @@ async def test_a_failed_request_is_an_error_in_its_trace(ingress):
             T._provider.shutdown()
         T._config, T._provider, T._memory_exporter = None, None, None
         tracing.use_tracer(None)
+
+
+def _memory_tracing():
+    """A memory exporter for this test, and a function that removes it again."""
+    from deployments import tracing
+    from serve_app import telemetry as T
+    T.setup_tracing(T.TracingConfig(exporter="memory"))
+
+    def reset():
+        if getattr(T._provider, "_specdec_owned", False):
+            T._provider.shutdown()
+        T._config, T._provider, T._memory_exporter = None, None, None
+        tracing.use_tracer(None)
+    return T._memory_exporter, reset
+
+
+@pytest.mark.asyncio
+async def test_a_refused_request_is_an_error_in_its_trace_and_every_request_counts_its_tokens(ingress):
+    """A request refused for overload (503) ends `router.request` with ERROR and the exception, as
+    a failed one does (it ended UNSET); a served one, streamed or not, carries `completion_tokens`."""
+    from opentelemetry.trace import StatusCode
+    app, ing, target = ingress
+    spans, reset = _memory_tracing()
+    try:
+        async with _client(app) as c:  # 2 rows + 2 queued: of 6 long requests, some are refused
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={**BODY, "stream": i % 2 == 0, "max_tokens": 24})
+                                        for i in range(6)))
+        codes = [r.status_code for r in rs]
+        assert 503 in codes and 200 in codes, codes
+        await _idle(ing.batcher)
+        requests = [s for s in spans.get_finished_spans() if s.name == "router.request"]
+        assert len(requests) == 6
+        refused = [s for s in requests if s.status.status_code == StatusCode.ERROR]
+        assert len(refused) == codes.count(503) and all(s.events[0].name == "exception" for s in refused)
+        served = sorted(s.attributes.get("completion_tokens", -1) for s in requests if s not in refused)
+        assert served == [24] * codes.count(200)
+    finally:
+        reset()
+
+
+@pytest.mark.asyncio
+async def test_a_sampled_request_keeps_the_rounds_it_shares_with_an_unsampled_one(ingress):
+    """A round serving several requests is a child of the first *sampled* one: as a child of the
+    batch's first row, an unsampled request, it was dropped with that request, and a sampled
+    request's trace lost every round it shared."""
+    app, ing, target = ingress
+    spans, reset = _memory_tracing()
+    ids = {False: "0af7651916cd43dd8448eb211c80319c", True: "1af7651916cd43dd8448eb211c80319c"}
+    try:
+        async with _client(app) as c:
+            async def send(sampled: bool):
+                headers = {"traceparent": f"00-{ids[sampled]}-b7ad6b7169203331-0{int(sampled)}"}
+                return await c.post("/v1/completions", headers=headers, json={**BODY, "stream": False, "max_tokens": 24})
+            unsampled = asyncio.ensure_future(send(False))  # the lane's first row
+            await asyncio.sleep(0)
+            rs = [await send(True), await unsampled]
+        assert [r.status_code for r in rs] == [200, 200]
+        await _idle(ing.batcher)
+        finished = spans.get_finished_spans()
+        assert {format(s.context.trace_id, "032x") for s in finished} == {ids[True]}
+        (req,) = [s for s in finished if s.name == "router.request"]
+        rounds = [s for s in finished if s.name == "router.round"]
+        shared = [s for s in rounds if "," in s.attributes["request_ids"]]
+        assert shared and all(s.parent.span_id == req.context.span_id and len(s.links) == 1 for s in shared)
+    finally:
+        reset()

@@ -61,13 +61,18 @@ def test_jsonl_exporter_writes_parseable_spans_with_parent_links(tmp_path):
     path = tmp_path / "spans.jsonl"
     provider = T.setup_tracing(TracingConfig(exporter="jsonl", path=str(path), service_name="svc"))
     assert provider is not None and T.setup_tracing(TracingConfig(exporter="memory")) is provider
+    with tracing.span("other") as other:
+        linked = other.span.get_span_context()
     with tracing.span("request", **{"request.id": "r1", "prompt_tokens": 7}):
-        with tracing.span("round") as round_span:
+        from opentelemetry import trace
+        with tracing.span("round", links=[trace.set_span_in_context(other.span)]) as round_span:
             round_span.set_attribute("k", 4)
     assert flush_tracing()
     spans = {s["name"]: s for s in read_spans(path)}
-    assert set(spans) == {"request", "round"}
+    assert set(spans) == {"request", "round", "other"}
     req, rnd = spans["request"], spans["round"]
+    assert rnd["links"] == [{"trace_id": format(linked.trace_id, "032x"), "span_id": format(linked.span_id, "016x"),
+                             "attributes": {}}] and req["links"] == []
     assert rnd["trace_id"] == req["trace_id"] and len(req["trace_id"]) == 32
     assert rnd["parent_id"] == req["span_id"] and req["parent_id"] is None
     assert req["attributes"] == {"request.id": "r1", "prompt_tokens": 7} and rnd["attributes"] == {"k": 4}
@@ -202,6 +207,48 @@ def test_a_request_span_is_a_child_of_the_current_span_without_a_traceparent():
         nested, _ = tracing.start_span("router.request", incoming)
         nested.end()
     assert nested.parent.span_id == serve_span.get_span_context().span_id
+
+
+def test_a_request_span_is_a_child_of_serves_request_span_whatever_span_is_current():
+    """With Ray Serve's tracing on, Serve's request span (`serve.get_trace_context()`, the `server`
+    argument) is the parent, even when another span is current: FastAPI's own HTTP span starts
+    from the headers alone, a trace of its own without a traceparent. A client's traceparent that
+    Serve's span is not under still wins."""
+    from opentelemetry import trace
+    T.setup_tracing(TracingConfig(exporter="memory"))
+    incoming = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    with tracing.span("replica_handle_request", incoming) as serve_span:
+        server = trace.set_span_in_context(serve_span.span)
+    with tracing.span("POST /v1/completions"):  # FastAPI's, a root: no traceparent reached it
+        plain, _ = tracing.start_span("router.request", {}, server)
+        plain.end()
+    with tracing.span("POST /v1/completions", incoming) as fastapi_span:  # under the client's
+        joined, _ = tracing.start_span("router.request", incoming, server)
+        joined.end()
+        other = {"traceparent": "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"}
+        elsewhere, _ = tracing.start_span("router.request", other, server)
+        elsewhere.end()
+    assert plain.parent.span_id == joined.parent.span_id == serve_span.get_span_context().span_id
+    assert fastapi_span.get_span_context().span_id != plain.parent.span_id
+    assert elsewhere.parent.span_id == 0xc7ad6b7169203331
+    alone, _ = tracing.start_span("router.request", {}, trace.set_span_in_context(trace.INVALID_SPAN))
+    alone.end()
+    assert alone.parent is None  # Serve's tracing off: no span in its context, a root
+
+
+def test_a_shared_span_takes_its_first_sampled_parent():
+    """A batched round is a child of one request and links the others: of the first *sampled* one,
+    since the child of an unsampled parent is dropped with it (a sampled request lost its rounds)."""
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    def ctx(trace_id: int, sampled: bool):
+        flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+        return trace.set_span_in_context(NonRecordingSpan(SpanContext(trace_id, 1, True, flags)))
+    a, b, c = ctx(1, False), ctx(2, True), ctx(3, True)
+    assert tracing.sampled_first([a, b, c]) == (b, [a, c])
+    assert tracing.sampled_first([None, a]) == (None, [a])  # none sampled: the first, as before
+    assert tracing.sampled_first([]) == (None, [])
 
 
 def test_a_failed_request_or_round_is_an_error_in_its_trace():
