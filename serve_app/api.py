@@ -159,6 +159,7 @@ class OpenAIIngress:
         self.vocab_size = len(self.encoder)
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.created = int(time.time())
+        self.configured, self.config_error = False, None  # (see reconfigure)
 
     def __del__(self) -> None:
         tracing.flush()  # Serve stops the replica (ray.kill skips atexit): export the spans it still buffers
@@ -171,8 +172,19 @@ class OpenAIIngress:
     # ---- what Serve calls on the deployment ---------------------------------------------------
     async def reconfigure(self, user_config: dict) -> None:
         """On the lanes' event loop (a plain method would run on Serve's thread pool while rounds
-        read the config and the lanes list changes)."""
-        self.batcher.reconfigure(user_config)
+        read the config and the lanes list changes). An invalid user_config fails a starting replica
+        (the deploy fails, loudly); a running replica keeps its configuration, logs the error and
+        shows it in /stats (`config_error`): Ray stops a replica whose reconfigure raises, and the
+        replicas that replace it fail alike, so one typo took the whole API down."""
+        try:
+            self.batcher.reconfigure(user_config)
+        except ValueError as e:
+            if not self.configured:
+                raise
+            log.error("user_config rejected; this replica keeps its configuration: %s", e)
+            self.config_error = str(e)
+            return
+        self.configured, self.config_error = True, None
 
     async def record_autoscaling_stats(self) -> dict:
         """On the lanes' event loop (a plain method would run in Serve's thread pool, racing the
@@ -217,7 +229,7 @@ class OpenAIIngress:
     @app.get("/stats")
     async def stats(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse(self.batcher.engine_stats())
+        return JSONResponse({**self.batcher.engine_stats(), "config_error": self.config_error})
 
     # ---- request plumbing ---------------------------------------------------------------------
     def _models(self, ids: list[str]) -> dict:

@@ -90,6 +90,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
         max_queued_requests=max(64, 4 * a.max_queued_sequences),
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=constants.ROUTER_DRAIN_S,
+        # runtime knobs (SchedulingConfig): {} so that a config file's user_config, once removed, is
+        # replaced by {} (the built values) on the running replicas too; None would leave them as they were
+        user_config={},
         **_scaling(a, "Router", a.router_replicas, a.max_router_replicas),
     ).bind(rcfg.model_dump(), a.api.model_dump(), draft, target)
     return router

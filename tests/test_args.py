@@ -158,6 +158,16 @@ def test_every_deployments_config_carries_the_apps_tracing(short_dir):
     assert not set(env) & set(_actor_options(a, 1.0)["runtime_env"]["env_vars"])  # (not where an override drops it)
 
 
+def test_the_router_is_built_with_an_empty_user_config(short_dir):
+    """With user_config {} in the code, removing a config file's user_config hands {} (the built
+    values) to the running Routers too; with None, Serve left them as the removed block had set them."""
+    from ray.serve._private.build_app import build_app as serve_build
+
+    from serve_app.builder import build_app
+    built = serve_build(build_app({"target": str(short_dir), "proposer": "ngram"}), name="x")
+    assert {d.name: d.user_config for d in built.deployments}["Router"] == {}
+
+
 def test_lanes_cover_every_initial_target_replica(short_dir):
     a = AppArgs(target=str(short_dir), proposer="ngram", autoscaling=True, target_replicas=4, max_target_replicas=1)
     assert a.total_lanes == 4 * a.lanes_per_target  # not 1 target's lanes over 4 replicas

@@ -292,3 +292,26 @@ async def test_a_sampled_request_keeps_the_rounds_it_shares_with_an_unsampled_on
         assert shared and all(s.parent.span_id == req.context.span_id and len(s.links) == 1 for s in shared)
     finally:
         reset()
+
+
+@pytest.mark.asyncio
+async def test_an_invalid_user_config_fails_a_starting_replica_but_not_a_running_one(ingress):
+    """Ray stops a replica whose reconfigure raises, and its replacements raise alike: a typo in a
+    config update took the whole API down. A running replica keeps its configuration and shows
+    the error in /stats; a starting one still fails (the deploy fails where the operator looks)."""
+    from serve_app import api
+    app, ing, target = ingress
+    cls = type(ing)
+    with pytest.raises(ValueError, match="unknown user_config"):
+        await cls.reconfigure(ing, {"no_such_knob": 1})
+    await cls.reconfigure(ing, {"max_batch_size": 1})
+    for bad in ({"max_batch_size": 8}, {"no_such_knob": 1}, {"plain_steps": 0}):
+        await cls.reconfigure(ing, bad)  # (raised)
+        assert ing.batcher.cfg.max_batch_size == 1 and ing.config_error
+        stats = json.loads((await cls.stats(ing, _request({}))).body)
+        assert stats["config_error"] == ing.config_error
+    async with _client(app) as c:
+        r = await c.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 4})
+    assert r.status_code == 200
+    await cls.reconfigure(ing, {})
+    assert ing.config_error is None and ing.batcher.cfg == ing.batcher.built
