@@ -24,7 +24,9 @@ Failures: a failing (or, past `draft_timeout_s`, silent) draft call makes the la
 rounds for a while (greedy and seeded output unchanged: both are plain decoding's); a lost target replica
 (actor died, or `TargetFault`: its tensor-parallel group broke) is retried on another replica,
 which re-prefills the lane's sequences from the router's copy of their tokens, until
-`retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503. A
+`retry_deadline_s`; then, or if no replica answers by then, the lane's requests fail with 503. So is
+a Target replica of another build (`WrongBuild`: during a redeploy, old and new replicas run side by
+side; rounds carry the build they are for, and only a replica of that build verifies them). A
 replica that does not answer in time (a hung forward) is avoided by new calls for `SUSPECT_S`
 (while others can serve): a Draft call past `draft_timeout_s` (the lane leaves it), a Target call
 past `retry_deadline_s`.
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.common import MaxModelLen, Traced, replica_id
-from deployments.target import TargetFault
+from deployments.target import TargetFault, WrongBuild
 from deployments.tracing import ensure_provider, inject, mark_error, sampled_first, span
 from specdec.loader import load_tokenizer
 from specdec.metadata import DraftOutput
@@ -91,6 +93,7 @@ class RouterConfig(SchedulingConfig, Traced):
     features: bool = Field(False, description="Pass the target's features of confirmed positions to the draft (EAGLE-style drafts).")
     max_model_len: MaxModelLen = 2048
     retry_deadline_s: float = Field(60.0, gt=0, description="How long a lane retries a failing target before failing its requests.")
+    target_build: str = Field("", description="The Target configuration the rounds are for (TargetConfig.build_key; '' = any): a Target replica of another build refuses them (WrongBuild) and the lane retries elsewhere, so during a redeploy old and new replicas never verify each other's sequences.")
     draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
     draft_timeout_s: float = Field(10.0, gt=0, description="A draft call slower than this counts as failed (e.g. no draft replica up).")
 
@@ -472,8 +475,8 @@ class Batcher:
         return used if not pin or (attr == "draft_pin" and pin in used) else []
 
     def _suspect(self, rid: str | None) -> None:
-        """A call timed out on replica `rid` (it may be hung): new calls avoid it for SUSPECT_S
-        (expired entries go: replicas come and go over days)."""
+        """A call timed out on replica `rid` (it may be hung), or it runs another build: new calls
+        avoid it for SUSPECT_S (expired entries go: replicas come and go over days)."""
         if rid:
             now = time.monotonic()
             self.suspects = {r: until for r, until in self.suspects.items() if until > now}
@@ -534,7 +537,7 @@ class Batcher:
         backoff = 0.2
         while True:
             tb = lane.scheduler.target_batch(plan, draft)
-            tb.release = release
+            tb.release, tb.build = release, self.cfg.target_build
             try:
                 rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin,
                                                                             avoid=self._avoid(lane, "target_pin")),
@@ -559,6 +562,8 @@ class Batcher:
             except (RayActorError, ActorUnavailableError, TargetFault) as e:
                 # TargetFault: a replica whose tensor-parallel group broke (a worker died); it
                 # fails its health check and Serve replaces it.
+                if isinstance(wrong := getattr(e, "cause", e), WrongBuild):  # (Serve wraps it: its cause)
+                    self._suspect(wrong.replica)  # new calls avoid it while others can serve
                 if time.monotonic() > deadline:
                     self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
                     return None

@@ -14,6 +14,8 @@ Serve replaces the whole group.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -38,6 +40,20 @@ log = logging.getLogger("ray.serve")
 
 class TargetFault(RuntimeError):
     """This target replica cannot serve (its tensor-parallel group is broken): retry elsewhere."""
+
+
+class WrongBuild(TargetFault):
+    """A round from a router built for another Target configuration (`TargetConfig.build_key`):
+    during a redeploy old and new replicas run side by side, and a row's tokens verified by
+    another model, or past another max_model_len, would come back wrong or fail its lane. The
+    router avoids `replica` and retries elsewhere."""
+
+    def __init__(self, message: str, replica: str = ""):
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.replica)
 
 
 class RanksOutOfStep(RuntimeError):
@@ -71,6 +87,12 @@ class TargetConfig(ModelRuntime):
         if self.compile and (self.tp > 1 or self.device != "cpu"):
             raise ValueError("compile needs tp=1 and device=cpu (the compiled path is measured there only)")
         return self
+
+    def build_key(self) -> str:
+        """What a router's rounds must be computed with to be verified here: the model, its numerics,
+        the context length and the features it returns (a hash; other fields change no token)."""
+        keys = {"model", "dtype", "device", "tp", "compile", "max_model_len", "return_hidden", "feature_layers"}
+        return hashlib.sha256(json.dumps(self.model_dump(include=keys), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _load_rank(cfg: TargetConfig, rank: int, world: int):
@@ -191,6 +213,7 @@ class TargetDeployment:
 
     def __init__(self, config: dict):
         self.cfg = TargetConfig(**config)
+        self.build = self.cfg.build_key()
         ensure_provider(self.cfg.tracing_env)
         self.thread = ModelThread(self.cfg.num_threads, "target")  # rank 0's torch work, all of it
         self.workers = self.thread.run(self._start_workers) if self.cfg.tp > 1 else []
@@ -248,6 +271,9 @@ class TargetDeployment:
                 from deployments.tracing import inject
                 self.worker.model.trace_carrier = inject()
             t0 = time.perf_counter()
+            if batch.build and batch.build != self.build:
+                raise WrongBuild(f"target replica {self.id} runs build {self.build}; the round is for "
+                                 f"build {batch.build} (a redeploy is under way)", self.id)
             if self.broken:
                 raise TargetFault(f"target replica {self.id} is broken: {self.broken}")
             try:

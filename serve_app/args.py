@@ -192,7 +192,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                             max_lanes=max(1, self.total_lanes // self.router_replicas),
                             speculate=self.speculate, max_model_len=self._max_len(),
                             proposer_has_model=True,  # even n-gram drafts cost a deployment hop per round
-                            features=self.uses_features, tracing_env=self.tracing_env())
+                            features=self.uses_features, tracing_env=self.tracing_env(),
+                            target_build=self.target_config().build_key())
 
     @property
     def target_slots(self) -> int:

@@ -62,6 +62,8 @@ class SpecBatch(Wire):
     # drafts ([k, vocab], or a sampling.RaceNoise over its vocabulary); it takes the token its q wins the race
     # with (never crosses processes)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
+    build: str = ""  # the target configuration the sender's tokens are for ('' = any): a receiver of
+    # another refuses the round (during a redeploy old and new replicas run side by side)
 
     def __len__(self) -> int:
         return len(self.seq_ids)

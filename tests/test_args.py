@@ -155,6 +155,7 @@ def test_every_deployments_config_carries_the_apps_tracing(short_dir):
     assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1" and env["SPECDEC_TRACING_EXPORTER"] == "otlp"
     for cfg in (a.router_config(), a.target_config(), a.draft_config()):
         assert cfg.tracing_env == env, type(cfg).__name__
+    assert a.router_config().target_build == a.target_config().build_key()  # (the rounds' build: test_faults)
     assert not set(env) & set(_actor_options(a, 1.0)["runtime_env"]["env_vars"])  # (not where an override drops it)
 
 

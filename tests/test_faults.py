@@ -879,3 +879,55 @@ def test_a_draft_replica_never_takes_its_own_drafts_for_confirmed_tokens(tiny_dr
     assert d.table[7].tokens == prompt + first.tokens[0, :2].tolist()  # two tentative drafts held
     assert d.propose(batch(len(prompt) + 2, [24])).unknown == [0]  # (two tokens confirmed elsewhere)
     assert d.propose(batch(len(prompt), [24, 24, 24])).unknown == []  # at its own confirmed length: fine
+
+
+class _TwoBuilds(_TwoReplicas):
+    """Two in-process Target replicas, "b" first for unpinned calls (the one a lane meets first)."""
+
+    def __init__(self, replicas: dict):
+        super().__init__(replicas)
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        name = pin or next((n for n in "ba" if n in self.replicas and n not in (avoid or ())), "b")
+        return await self.replicas[name].verify(batch, draft)
+
+    async def _release(self, ids, pin=None):
+        for name, r in self.replicas.items():
+            if pin in (None, name):
+                await r.release(ids)
+
+
+def _target_replica(name: str, **cfg):
+    from deployments.target import TargetDeployment
+    replica = TargetDeployment({"num_slots": 4, "max_model_len": 256, **cfg})
+    replica.id = name
+    return replica
+
+
+@pytest.mark.asyncio
+async def test_a_round_goes_only_to_a_target_of_its_own_build(tiny_dir, tiny_draft_dir):
+    """During a redeploy old and new replicas run side by side, and Serve's handles reach both: a
+    router's rows verified by another model came back as text of neither, and rows past another
+    max_model_len failed their lane. A Target replica of another build (TargetConfig.build_key)
+    refuses the round; the lane avoids it and runs on its own build, or fails cleanly (503) when
+    there is none."""
+    from deployments.batcher import RequestFailed
+    from deployments.target import TargetConfig
+    own = TargetConfig(model=str(tiny_dir), num_slots=4, max_model_len=256)
+    assert own.build_key() == TargetConfig(**{**own.model_dump(), "num_slots": 8, "num_threads": 1}).build_key()
+    assert own.build_key() != TargetConfig(**{**own.model_dump(), "max_model_len": 128}).build_key()
+    prompt = [5, 9, 14, 3, 27, 8]
+    alone = _batcher(tiny_dir, _TwoBuilds({"a": _target_replica("a", model=str(tiny_dir))}),
+                     target_build=own.build_key())
+    want = await _generate(alone, prompt, 12)
+    other = _target_replica("b", model=str(tiny_draft_dir))  # another model, the same tokenizer
+    batcher = _batcher(tiny_dir, _TwoBuilds({"a": _target_replica("a", model=str(tiny_dir)), "b": other}),
+                       target_build=own.build_key())
+    assert await _generate(batcher, prompt, 12) == want
+    assert "b" in batcher.suspects and other.worker.table.active() == 0 and set(batcher.rounds_by_target) == {"a"}
+    stranded = _batcher(tiny_dir, _TwoBuilds({"b": _target_replica("b", model=str(tiny_draft_dir))}),
+                        target_build=own.build_key(), retry_deadline_s=0.5)
+    with pytest.raises(RequestFailed) as failed:
+        await _generate(stranded, prompt, 12)
+    assert failed.value.status == 503
