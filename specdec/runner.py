@@ -18,6 +18,7 @@ from torch import Tensor
 
 SHORT_ROW = 16  # rows with at most this many new tokens are batched together
 EVICT_IDLE_S = 30.0  # a full table may take back a slot that no round has touched for this long
+WAITER_FORGET_S = 2.0  # a refused sequence keeps its place in line while its router resends it this often
 
 
 class CacheFullError(RuntimeError):
@@ -37,7 +38,14 @@ class SlotTable:
     """Slots by sequence id. A full table takes back the least recently used slot once it has
     been idle `evict_idle_s` (its router stopped sending the sequence: it crashed, or a release
     was lost), calling `on_evict(seq_id)`; should that sequence come back it is unknown here and
-    its router re-prefills it, so taking a slot back is always safe."""
+    its router re-prefills it, so taking a slot back is always safe.
+
+    Slots go first come, first served: a sequence refused for want of a slot waits in line
+    (`waiting`), and a freed slot goes to the oldest waiter, not to whichever call comes next.
+    Several routers share a replica, and a round frees its finished rows and starts its new ones
+    in the same call: the router that held the slots took back every slot it freed, and another
+    router's rows waited until its queue ran dry. A waiter its router stopped resending for
+    `WAITER_FORGET_S` (it moved its lane, or its client left) gives up its place."""
 
     def __init__(self, num_slots: int, max_len: int, evict_idle_s: float = EVICT_IDLE_S,
                  on_evict: Callable[[int], None] | None = None):
@@ -47,6 +55,7 @@ class SlotTable:
         self.seqs: dict[int, SlotState] = {}
         self.evict_idle_s, self.on_evict = evict_idle_s, on_evict
         self.evicted = 0
+        self.waiting: dict[int, float] = {}  # refused sequence id -> when last refused (in order of first refusal)
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self.seqs
@@ -66,13 +75,27 @@ class SlotTable:
             self.release(seq_id)
         if not self.free and self.seqs:
             self._evict_idle()
-        if not self.free:
+        if len(self.free) <= self._waiters_ahead(seq_id):  # (the free slots are theirs)
+            self.waiting[seq_id] = time.monotonic()  # (a known waiter keeps its place)
             raise CacheFullError("no free KV-cache slot")
+        self.waiting.pop(seq_id, None)
         st = SlotState(heapq.heappop(self.free))
         self.seqs[seq_id] = st
         return st
 
+    def _waiters_ahead(self, seq_id: int) -> int:
+        """Sequences refused before `seq_id` that still wait (all of them for a newcomer)."""
+        now = time.monotonic()
+        self.waiting = {s: t for s, t in self.waiting.items() if now - t < WAITER_FORGET_S}
+        ahead = 0
+        for s in self.waiting:
+            if s == seq_id:
+                break
+            ahead += 1
+        return ahead
+
     def release(self, seq_id: int) -> None:
+        self.waiting.pop(seq_id, None)  # (finished, or its client left, while it waited)
         st = self.seqs.pop(seq_id, None)
         if st is not None:
             heapq.heappush(self.free, st.slot)

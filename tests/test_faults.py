@@ -931,3 +931,29 @@ async def test_a_round_goes_only_to_a_target_of_its_own_build(tiny_dir, tiny_dra
     with pytest.raises(RequestFailed) as failed:
         await _generate(stranded, prompt, 12)
     assert failed.value.status == 503
+
+
+@pytest.mark.asyncio
+async def test_two_routers_sharing_a_target_take_its_slots_in_turn(tiny_dir):
+    """Two Router replicas (batchers) share one Target replica of 2 slots. The first keeps a queue;
+    the second's one request used to wait for that whole queue: each of the first's rounds freed
+    its finished rows and started its next ones in the same call, and the second's lane, refused,
+    polled in vain. Freed slots now go to the rows that waited first (SlotTable.waiting)."""
+    import torch
+
+    from fake_handles import FakeTarget
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    worker = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 2, 256)
+    busy, other = (_batcher(tiny_dir, FakeTarget(worker), max_batch_size=2, max_lanes=1, max_queued_sequences=16)
+                   for _ in range(2))
+    done: list[str] = []
+
+    async def run(batcher, name, prompt, delay=0.0):
+        await asyncio.sleep(delay)
+        await _generate(batcher, prompt, 12)
+        done.append(name)
+    await asyncio.gather(*(run(busy, f"busy{i}", [5 + i, 9, 14, 3]) for i in range(8)),
+                         run(other, "other", [7, 7, 2, 11], delay=0.01))
+    assert done.index("other") <= 5, done  # (2-3 here; it finished last: after all 8 of the busy router's)
+    assert worker.table.num_free == 2 and not worker.table.waiting

@@ -94,6 +94,34 @@ def test_a_full_slot_table_takes_back_only_an_idle_slot():
     assert t.active() == 1  # 3; 1 is idle: not load (autoscaling's active sequences)
 
 
+def test_freed_slots_go_to_the_sequences_that_waited_first(monkeypatch):
+    """First come, first served: a sequence refused for want of a slot waits in line, and a freed
+    slot is the oldest waiter's, not the next caller's (a router whose round frees its finished rows
+    and starts its new ones in one call took back every slot it freed, and another router's rows
+    waited for its whole queue). A waiter nobody resends gives up its place."""
+    from specdec import runner
+    from specdec.runner import CacheFullError
+    t = SlotTable(1, 64)
+    t.sync(1, 0, [1])
+    for waiter in (2, 3):
+        with pytest.raises(CacheFullError):
+            t.sync(waiter, 0, [2])
+    t.release(1)
+    for newcomer in (4, 3):  # the slot is 2's: neither a newcomer nor a later waiter takes it
+        with pytest.raises(CacheFullError):
+            t.sync(newcomer, 0, [4])
+    assert t.sync(2, 0, [2]).slot == 0 and list(t.waiting) == [3, 4]
+    t.release(3)  # (its client left while it waited: out of line)
+    t.release(2)
+    assert t.sync(4, 0, [4]).slot == 0 and not t.waiting
+    t.release(4)
+    with pytest.raises(CacheFullError):
+        t.sync(5, 0, [5]) if t.sync(6, 0, [6]) else None  # 6 takes the slot, 5 waits
+    monkeypatch.setattr(runner, "WAITER_FORGET_S", 0.0)  # 5's router stopped resending it
+    t.release(6)
+    assert t.sync(7, 0, [7]).slot == 0
+
+
 def test_missing_model_fails_clearly(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve(tmp_path / "nope")
