@@ -57,6 +57,9 @@ def test_a_temperature_that_is_not_finite_is_refused():
     for t in (float("nan"), float("inf")):  # (NaN sampled at 1; inf uniformly, or a masked token)
         with pytest.raises(ValueError, match="temperature"):
             SamplingParams(temperature=t)
+    for bad in ({"max_tokens": 0}, {"top_p": 0.0}, {"top_k": -1}, {"num_speculative_tokens": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # (the engine's own check, under the API's)
+            SamplingParams(**bad)
 
 
 def test_a_row_without_top_p_is_not_masked_by_its_batch():
@@ -83,8 +86,11 @@ def _chain(seed):
     return torch.randn(V, V, generator=g) * 1.5  # logits of x_t given x_{t-1}
 
 
-def _speculate(P, Q, temp, top_k, top_p, k, broken=None, seed=0):
-    """Generate STEPS tokens for N sequences (context x0 = 0) with speculative rounds."""
+def _speculate(P, Q, temp, top_k, top_p, k, broken=None, seed=0, ragged=False, onehot=False):
+    """Generate STEPS tokens for N sequences (context x0 = 0) with speculative rounds. `ragged`:
+    each row verifies its own number of drafts, 0..k, in the batch's [B, k] tensors (as rows of a
+    real batch do); `onehot`: the drafts are Q's argmax, a deterministic proposal whose q is
+    one-hot (prompt lookup, the hybrid's n-gram rows: draft_probs None)."""
     g = torch.Generator().manual_seed(seed)
     out = torch.full((N, STEPS), -1, dtype=torch.long)
     length = torch.zeros(N, dtype=torch.long)
@@ -99,7 +105,7 @@ def _speculate(P, Q, temp, top_k, top_p, k, broken=None, seed=0):
         ctx, drafts, qs = last[rows], [], []
         for j in range(k):
             q = logits_to_probs(Q[ctx], T[rows], TK[rows] * 0, TP[rows] * 0 + 1)  # draft ignores top-k/p
-            x = sample_from_probs(q, u[:, 0, j])
+            x = q.argmax(-1) if onehot else sample_from_probs(q, u[:, 0, j])
             drafts.append(x)
             qs.append(q)
             ctx = x
@@ -108,9 +114,10 @@ def _speculate(P, Q, temp, top_k, top_p, k, broken=None, seed=0):
         # target logits at each position given the draft prefix: [B, k+1, V]
         ctxs = torch.cat([last[rows, None], drafts], 1)
         tlogits = P[ctxs]
+        num_draft = torch.randint(0, k + 1, (B,), generator=g) if ragged else torch.full((B,), k)
         if broken is None:
-            toks, n_acc = rejection_sample(tlogits, drafts, torch.full((B,), k), DraftProbs(
-                torch.arange(V).expand(B, k, V), q), T[rows], TK[rows], TP[rows], u[:, 1:])
+            probs = None if onehot else DraftProbs(torch.arange(V).expand(B, k, V), q)
+            toks, n_acc = rejection_sample(tlogits, drafts, num_draft, probs, T[rows], TK[rows], TP[rows], u[:, 1:])
         else:
             toks, n_acc = broken(tlogits, drafts, q, T[rows], TK[rows], TP[rows], u)
         for r in range(k + 1):  # append emitted tokens, up to STEPS
@@ -123,9 +130,28 @@ def _speculate(P, Q, temp, top_k, top_p, k, broken=None, seed=0):
     return out
 
 
+def _reference_probs(logits, temp, top_k, top_p):
+    """The target's distribution written out here, not through specdec.sampling (a reference built
+    from the code under test could not see a wrong temperature): softmax(logits / T) over the k
+    largest (ties with the k-th kept), then the smallest prefix whose mass reaches top_p."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    for i, row in enumerate(logits.double() / temp):
+        order = row.argsort(descending=True).tolist()
+        if top_k:
+            order = [t for t in order if row[t] >= row[order[top_k - 1]]]
+        probs = row[order].softmax(0)
+        keep, mass = [], 0.0
+        for t, pr in zip(order, probs.tolist()):
+            keep.append(t)
+            mass += pr
+            if mass >= top_p - 1e-12:
+                break
+        out[i, keep] = row[keep].softmax(0)
+    return out
+
+
 def _exact_joint(P, temp, top_k, top_p):
-    p = logits_to_probs(P, torch.full((V,), temp), torch.full((V,), top_k, dtype=torch.long),
-                        torch.full((V,), top_p))  # [V, V] rows: context
+    p = _reference_probs(P, temp, top_k, top_p)  # [V, V] rows: context
     joint = p[0][:, None, None] * p[:, :, None] * p[None, :, :]  # p(a|0) p(b|a) p(c|b)
     return joint.flatten().double()
 
@@ -158,6 +184,26 @@ def test_sampling_is_lossless(temp, top_k, top_p, k):
     samples = _speculate(P, Q, temp, top_k, top_p, k, seed=hash((temp, top_k, top_p, k)) % 1000)
     assert (samples >= 0).all()
     assert _pvalue(samples, _exact_joint(P, temp, top_k, top_p)) > ALPHA
+
+
+@pytest.mark.parametrize("onehot", [False, True], ids=["sampled-drafts", "one-hot-drafts"])
+def test_sampling_is_lossless_with_ragged_rows(onehot):
+    """Rows of one batch verify different numbers of drafts (0..k; the rest of their row is
+    padding), and deterministic drafts arrive without q (one-hot: prompt lookup)."""
+    P, Q = _chain(1), _chain(2)
+    samples = _speculate(P, Q, 0.9, 0, 1.0, 3, seed=11, ragged=True, onehot=onehot)
+    assert (samples >= 0).all()
+    assert _pvalue(samples, _exact_joint(P, 0.9, 0, 1.0)) > ALPHA
+
+
+def test_the_reference_distribution_is_not_the_code_under_test():
+    """The exact joint comes from `_reference_probs`; it and specdec.sampling agree (so a test that
+    passes checks the sampler, and one that fails is not the reference's fault)."""
+    P = _chain(3)
+    for temp, top_k, top_p in [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 2, 1.0), (0.8, 0, 0.7), (1.2, 3, 0.6)]:
+        ours = logits_to_probs(P, torch.full((V,), temp), torch.full((V,), top_k, dtype=torch.long),
+                               torch.full((V,), top_p)).double()
+        assert torch.allclose(ours, _reference_probs(P, temp, top_k, top_p), atol=1e-6), (temp, top_k, top_p)
 
 
 def _blog_rule(tlogits, drafts, q, T, TK, TP, u):
@@ -234,6 +280,7 @@ def test_uniforms_use_every_bit_of_the_seed():
     a, b = (round_uniforms(new_base_seed(s), 7, 3) for s in (1, 1 + 2 ** 32))
     assert not torch.allclose(a, b)
     assert torch.equal(round_uniforms(new_base_seed(1), 7, 3), a)  # and stay reproducible
+    assert new_base_seed(0) == 0 and new_base_seed(-1) == -1  # seed 0 is a seed, not "no seed"
     u = torch.cat([round_uniforms(s, 0, 15).flatten() for s in range(200)])
     assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
 
