@@ -89,3 +89,37 @@ async def test_a_call_that_raises_stop_iteration_fails_the_round_not_ends_it():
     steps = round_steps(_sched())
     with pytest.raises((StopIteration, RuntimeError)):  # (a coroutine turns it into RuntimeError)
         await run_round_async(steps, next(steps), propose, broken_async)
+
+
+def test_a_sampled_rows_rounds_draw_fresh_uniforms_keyed_by_its_position():
+    """An unseeded sampled row's round draws its accept tests and recovered/bonus tokens from
+    uniforms keyed by (its seed, the position the round starts at, k): fresh in every round (a
+    round reusing an earlier round's draws correlates the tokens of the two, a bias no per-round
+    check sees) and the same when a failed call makes the round run again."""
+    from specdec.sampling import round_uniforms
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, k_max=2, adaptive=False))
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True))
+    sched.add(seq)
+    seen = []
+
+    def propose(plan):
+        seen.append((len(seq.tokens), plan.draft_batch.uniforms[0, :, :3].clone()))
+        return _propose(plan)
+    for _ in range(3):
+        run_round(sched, propose, _verify)
+    assert [pos for pos, _ in seen] == [3, 6, 9]
+    for pos, u in seen:
+        assert torch.equal(u, round_uniforms(seq.base_seed, pos, 2))
+    assert not any(torch.equal(a, b) for (_, a), (_, b) in zip(seen, seen[1:]))
+
+
+def test_a_requests_k_is_capped_by_the_deployment_and_by_what_it_may_still_emit():
+    """num_speculative_tokens above k_max drafts k_max (the deployment's cap: its buffers and cost
+    model stop there); a row drafts at most remaining - 1 tokens (a round also emits one of its own)."""
+    sched = Scheduler(SchedulerConfig(max_batch_size=2, k_max=2, adaptive=False))
+    for n in (50, 2):
+        sched.add(Sequence([1, 2, 3], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                     num_speculative_tokens=5)))
+    asked = []
+    run_round(sched, lambda plan: (asked.append(list(plan.draft_batch.num_draft)), _propose(plan))[1], _verify)
+    assert asked == [[2, 1]]
