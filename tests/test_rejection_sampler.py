@@ -62,6 +62,13 @@ def test_a_temperature_that_is_not_finite_is_refused():
             SamplingParams(**bad)
 
 
+def test_a_row_without_top_k_is_not_masked_by_its_batch():
+    """top_k 0 (off) keeps every token also when another row of the batch uses top-k."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(2, 1)
+    probs = logits_to_probs(logits, torch.ones(2), torch.tensor([2, 0]), torch.ones(2))
+    assert bool((probs[0, 2:] == 0).all()) and torch.allclose(probs[1], logits[1].softmax(-1))
+
+
 def test_a_row_without_top_p_is_not_masked_by_its_batch():
     """A peaked row (its float32 cumulative mass reaches 1.0 before the tail) keeps its tail at
     top_p = 1, whether or not another row of the batch uses top-p."""
