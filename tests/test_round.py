@@ -123,3 +123,22 @@ def test_a_requests_k_is_capped_by_the_deployment_and_by_what_it_may_still_emit(
     asked = []
     run_round(sched, lambda plan: (asked.append(list(plan.draft_batch.num_draft)), _propose(plan))[1], _verify)
     assert asked == [[2, 1]]
+
+
+def test_a_sequence_aborted_while_its_round_ran_takes_nothing_from_it():
+    """A client that leaves while its row's round runs (the call is in flight): the commit skips the
+    row, so neither its sequence nor the statistics count the round's tokens for it."""
+    sched = _sched()
+    run_round(sched, _propose, _verify)
+    gone = sched.running[0]
+    before = (gone.num_output, gone.proposed, gone.rounds, sched.stats.emitted, sched.stats.proposed)
+    steps = round_steps(sched)
+    call = steps.send(_propose(next(steps).plan))
+    sched.abort(gone.seq_id)
+    try:
+        steps.send(_verify(call.plan, call.draft))
+    except StopIteration as done:
+        r = done.value
+    assert r.plan.kept == [0, 3]
+    assert (gone.num_output, gone.proposed, gone.rounds) == before[:3]
+    assert (sched.stats.emitted, sched.stats.proposed) == (before[3] + 3, before[4] + 2)
