@@ -10,7 +10,8 @@ that hold its KV caches, see deployments/affinity.py). Each lane loops over the 
     verify = await target.verify(target_batch, draft, pin=...)
 
 and sequences join and leave between rounds. A new lane opens when every lane is full (its first
-call goes unpinned, so it lands on the least-loaded replica: scale-out is used). Lanes run in a
+call goes unpinned, so it lands on the least-loaded replica: scale-out is used), and a lane whose
+target replica has no slot for some of its rows, beside other lanes, moves to a replica no lane uses. Lanes run in a
 context of their own: they outlive the request that opened them, so their calls are not Serve
 child requests of it (which Serve cancels when that client disconnects).
 
@@ -148,6 +149,7 @@ class Lane:
     draft_down_until: float = 0.0
     pending_draft_release: list[int] = field(default_factory=list)
     task: asyncio.Task | None = None
+    starved: bool = False  # its target refused some rows a slot in the last round (they wait in line there)
 
     @property
     def load(self) -> int:
@@ -422,6 +424,7 @@ class Batcher:
                    accepted=sum(min(m, e) for m, e, n in zip(r.verify.num_accepted, kept, r.judged_drafts) if n),
                    bonus=sum(1 for n, m, e in zip(r.judged_drafts, r.verify.num_accepted, kept) if n and m == n < e))
         self._account(r)
+        lane.starved = 0 < len(r.verify.unknown) < len(plan.seqs)  # (all unknown: it backs off and re-pins below)
         if not sched.has_work and not self.queue:
             # the lane's last round: free its slots before its clients hear back, so a request they
             # send next never finds the replicas still holding them
@@ -472,7 +475,12 @@ class Batcher:
         now = time.monotonic()
         used += [r for r, until in self.suspects.items() if until > now]
         pin = getattr(lane, attr)
-        return used if not pin or (attr == "draft_pin" and pin in used) else []
+        # a pinned call that gives `avoid` moves to a replica no lane uses, if there is one (affinity.py):
+        # a Draft call whose replica other lanes share, a Target call whose replica has no slot for
+        # some of its rows and other lanes (so a replica that scale-out adds is used: lanes that stayed
+        # on a full one kept it full while it sat idle)
+        moves = pin in used and (attr == "draft_pin" or lane.starved)
+        return used if not pin or moves else []
 
     def _suspect(self, rid: str | None) -> None:
         """A call timed out on replica `rid` (it may be hung), or it runs another build: new calls
@@ -539,9 +547,11 @@ class Batcher:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release, tb.build = release, self.cfg.target_build
             try:
-                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin,
-                                                                            avoid=self._avoid(lane, "target_pin")),
+                avoid = self._avoid(lane, "target_pin")
+                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin, avoid=avoid),
                                                   timeout=max(0.1, deadline - time.monotonic()))
+                if lane.target_pin in avoid and rid != lane.target_pin:  # rebalanced: the old replica frees its rows
+                    self._release_later(self.target, lane.target_pin, _held(lane) + release)  # (and the new reports them unknown)
                 lane.target_pin = rid
                 self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out

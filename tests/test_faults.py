@@ -957,3 +957,62 @@ async def test_two_routers_sharing_a_target_take_its_slots_in_turn(tiny_dir):
                          run(other, "other", [7, 7, 2, 11], delay=0.01))
     assert done.index("other") <= 5, done  # (2-3 here; it finished last: after all 8 of the busy router's)
     assert worker.table.num_free == 2 and not worker.table.waiting
+
+
+class _ScaledOutTarget(_TwoReplicas):
+    """Target replicas routed as the affinity router does (a pinned call that gives its pin in
+    `avoid` moves to a replica no lane uses, if there is one); "b" joins while lanes run."""
+
+    def __init__(self, replicas: dict):
+        super().__init__(replicas)
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
+        self.first_b_call_done: int | None = None  # requests finished when "b" got its first call
+        self.finished = 0
+
+    def _route(self, pin, avoid) -> str:
+        fresh = [n for n in self.replicas if n not in (avoid or ())]
+        if pin in self.replicas:
+            return fresh[0] if pin in (avoid or ()) and fresh else pin
+        return fresh[0] if fresh else next(iter(self.replicas))
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        name = self._route(pin, avoid)
+        if name == "b" and self.first_b_call_done is None:
+            self.first_b_call_done = self.finished
+        await asyncio.sleep(0.002)  # (other lanes' rounds interleave, as over the network)
+        return name, self.replicas[name].verify(batch, draft)
+
+
+@pytest.mark.asyncio
+async def test_a_lane_short_of_slots_moves_to_a_replica_that_scale_out_added(tiny_dir):
+    """Two lanes on one Target replica that has slots for 6 of their 8 rows; a second replica joins.
+    The lane whose rows wait for slots moves there (freeing its rows on the first), instead of
+    staying on the full replica while the new one sits idle until its rows finish."""
+    import torch
+
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    a, b = (TargetWorker(load_model(tiny_dir, dtype=torch.float32), 6, 256) for _ in "ab")  # (a cache each)
+    handle = _ScaledOutTarget({"a": a})
+    batcher = _batcher(tiny_dir, handle, max_batch_size=4, max_lanes=2, plain_steps=1)
+    prompts = [[5 + i, 9, 14, 3] for i in range(8)]
+
+    async def one(p):
+        out = await _generate(batcher, p, 24)
+        handle.finished += 1
+        return out
+    runs = [asyncio.ensure_future(one(p)) for p in prompts]
+    for _ in range(200):  # until rows wait for slots on "a"
+        await asyncio.sleep(0.005)
+        if a.table.waiting:
+            break
+    assert a.table.waiting and a.table.num_free == 0 and handle.finished == 0
+    handle.replicas["b"] = b  # scale-out
+    outs = await asyncio.gather(*runs)
+    assert handle.first_b_call_done == 0  # used while the first lane's rows still ran on "a"
+    plain = _batcher(tiny_dir, _FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 8, 256)),
+                     max_batch_size=8, max_lanes=1)
+    want = [await _generate(plain, p, 24) for p in prompts]
+    assert outs == want
+    await asyncio.sleep(0.05)  # (the background release to "a")
+    assert a.table.num_free == b.table.num_free == 6 and not a.table.waiting
