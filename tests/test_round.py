@@ -142,3 +142,25 @@ def test_a_sequence_aborted_while_its_round_ran_takes_nothing_from_it():
     assert r.plan.kept == [0, 3]
     assert (gone.num_output, gone.proposed, gone.rounds) == before[:3]
     assert (sched.stats.emitted, sched.stats.proposed) == (before[3] + 3, before[4] + 2)
+
+
+def test_a_row_the_target_did_not_hold_resends_its_whole_context():
+    """A row the target reports unknown (a restarted or new replica, a slot it could not give)
+    emits nothing, and the next round sends its whole context from position 0 (without it the row
+    would be unknown forever, and its request would hang)."""
+    sched = _sched()
+    run_round(sched, _propose, _verify)
+    lost = sched.running[0]
+    sent = []
+
+    def verify(plan, draft):
+        sent.append(sched.target_batch(plan, draft))
+        out = _verify(plan, draft)
+        if len(sent) == 1:
+            out.tokens[0], out.num_accepted[0], out.unknown = [], 0, [0]
+        return out
+    before = list(lost.tokens)
+    run_round(sched, _propose, verify)
+    assert lost.tokens == before
+    run_round(sched, _propose, verify)
+    assert sent[1].offsets[0] == 0 and sent[1].new_tokens[0] == before and sent[0].offsets[0] == len(before)
