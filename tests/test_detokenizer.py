@@ -187,6 +187,24 @@ def test_earliest_stop_string_wins(tiny):
     assert seq.finish_reason == "stop" and seq.text == "def foo("
 
 
+def test_of_stop_strings_completed_by_one_token_the_one_that_starts_first_wins(tiny):
+    """"(" completes "o(" and "(" at once: the text ends before the earlier start, "o("."""
+    for stop in (["o(", "("], ["(", "o("]):
+        seq = Sequence([1], SamplingParams(max_tokens=100, stop=stop))
+        for t in tiny(SOURCE, add_special_tokens=False).input_ids:
+            seq.append([t], tiny)
+        assert seq.finish_reason == "stop" and seq.text == "def fo", stop
+
+
+def test_ignore_eos_keeps_generating_past_the_end_of_sequence_token(tiny):
+    ids = tiny("def foo", add_special_tokens=False).input_ids
+    eos = frozenset({tiny.eos_token_id})
+    for ignore, want in ((True, len(ids) + 1), (False, 2)):  # (the end token itself is kept, without text)
+        seq = Sequence([1], SamplingParams(max_tokens=100, ignore_eos=ignore), eos_token_ids=eos)
+        kept = seq.append([ids[0], tiny.eos_token_id, *ids[1:]], tiny)
+        assert kept == want and seq.finished == (not ignore), ignore
+
+
 def test_stop_string_with_a_multibyte_character(tiny):
     ids = tiny("xyab中cd", add_special_tokens=False).input_ids
     seq = Sequence([1], SamplingParams(max_tokens=100, stop=["b中"]))
