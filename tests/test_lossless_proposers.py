@@ -465,3 +465,46 @@ def test_a_draft_vocabulary_smaller_than_top_j_drafts(models):
                     eos_token_ids=[])
     seqs = eng.generate([DISTINCT] * 4, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True))
     assert prop.rows_drafted > 0 and all(len(s.output_ids) == 8 for s in seqs)
+
+
+class _Recording(Tracking):
+    """Keeps every round's draft output."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.outputs: list[DraftOutput] = []
+
+    def propose(self, batch) -> DraftOutput:
+        out = super().propose(batch)
+        self.outputs.append(out)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_a_sampled_draft_reports_the_distribution_it_drew_from(models, kind):
+    """The rejection sampler is lossless only if q is the distribution each draft was drawn from.
+    With a top-2 truncation (most of the draft's mass cut off) every sampled row's q sums to 1, and
+    the drafts fall on q's likelier token as often as q says (a q left unnormalised after the
+    truncation over-accepted: biased output that the top-4 chi-square above did not resolve)."""
+    ref, target, draft, eagle = models
+    inner = (DraftModelProposer(draft, BATCH, 64, top_j=2) if kind == "draft"
+             else EagleProposer(eagle, BATCH, 64, top_j=2))
+    prop = _Recording(inner)
+    eng = LLMEngine(TargetWorker(target, BATCH, 64), prop, None,
+                    EngineConfig(max_batch_size=BATCH, max_model_len=64, num_speculative_tokens=K, adaptive=False),
+                    eos_token_ids=[])
+    eng.generate([PROMPTS[i % 2] for i in range(BATCH)],
+                 SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True))
+    hits, expected, rows = 0, 0.0, 0
+    for out in prop.outputs:
+        for b, n in enumerate(out.num_draft):
+            ids, vals = out.probs.ids[b, :n], out.probs.vals[b, :n]  # [n, 2]
+            assert torch.allclose(vals.sum(-1), torch.ones(n), atol=1e-5), vals
+            drawn = ids == out.tokens[b, :n, None]  # [n, 2]
+            assert drawn.any(1).all() and (vals[drawn] > 0).all()  # each draft is one of q's tokens
+            hits += int((out.tokens[b, :n] == ids[:, 0]).sum())  # drew the likelier of the two
+            expected += float(vals[:, 0].sum())
+            rows += n
+    assert rows > 1000
+    sd = (expected * (1 - expected / rows)) ** 0.5  # binomial-like spread of the hit count
+    assert abs(hits - expected) < 5 * sd, (hits, expected, rows)
