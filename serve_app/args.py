@@ -112,6 +112,10 @@ class AppArgs(SchedulingConfig, ProposerSettings):
                              f"of {sorted(DRAFT_PROPOSERS)}")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")
+        from specdec.loader import local_path
+        for key in ("target", "draft", "lookup_corpus"):  # replicas resolve paths in their own working directory
+            if getattr(self, key) and (path := local_path(getattr(self, key))) is not None:
+                setattr(self, key, str(path.resolve()))
         return self
 
     # ---- derived -----------------------------------------------------------------------------
@@ -119,7 +123,8 @@ class AppArgs(SchedulingConfig, ProposerSettings):
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
-        if self.target in ("smollm2", "default"):
+        from specdec.loader import is_demo_target
+        if is_demo_target(self.target):
             return "SmolLM2-135M-Instruct"
         return Path(self.target.rstrip("/")).name.removesuffix(".gguf")
 

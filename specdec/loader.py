@@ -7,6 +7,9 @@ A model spec is one of
   located with importlib without importing the package;
 - the name of a draft shipped in `specdec/drafts/` (e.g. `smollm2-eagle`).
 
+A path that exists wins over a name, as in transformers' `from_pretrained`: a local directory
+called `smollm2` is the user's checkpoint, not the demo model.
+
 GGUF files are dequantized by transformers (~17 s for the demo target); the result is cached as a
 plain safetensors checkpoint under SPECDEC_CACHE_DIR so later loads take about a second.
 Everything fails early with a message that names the path when something is missing.
@@ -35,9 +38,20 @@ _CORPUS_FOR_TARGET = {"smollm2": "smollm2-corpus", "default": "smollm2-corpus"}
 CORPUS_FILE = "corpus.npz"
 
 
+def local_path(spec: str | os.PathLike) -> Path | None:
+    """`spec` as a path that exists here (it wins over a name, see the module docstring), else None."""
+    path = Path(spec).expanduser()
+    return path if path.exists() else None
+
+
+def is_demo_target(spec: str | os.PathLike) -> bool:
+    """Whether `spec` names the demo target (and no local path of that name exists)."""
+    return str(spec) in _ALIASES and local_path(spec) is None
+
+
 def _shipped(names: dict[str, str], target: str, file: str) -> str | None:
-    """names[target] if this install ships it (BUNDLED_DIR/name/file exists)."""
-    name = names.get(str(target))
+    """names[target] if `target` is the demo target and this install ships it (BUNDLED_DIR/name/file exists)."""
+    name = names.get(str(target)) if is_demo_target(target) else None
     return name if name and (BUNDLED_DIR / name / file).is_file() else None
 
 
@@ -49,8 +63,7 @@ def bundled_corpus_for(target: str) -> str | None:
 def resolve_corpus(spec: str | os.PathLike) -> Path:
     """A lookup corpus (specdec.corpus): an .npz file, a directory holding corpus.npz, or the name
     of one shipped in `specdec/drafts/`."""
-    path = BUNDLED_DIR / str(spec) if "/" not in str(spec) and (BUNDLED_DIR / str(spec)).is_dir() else Path(spec)
-    path = path.expanduser()
+    path = _locate(str(spec))
     if path.is_dir():
         path = path / CORPUS_FILE
     if not path.is_file():
@@ -89,15 +102,22 @@ def _package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _locate(spec: str) -> Path:
+    """The file or directory a spec names: a path that exists, the demo target's package, a shipped
+    checkpoint or corpus, or else the spec as a path (checked by the caller)."""
+    path = local_path(spec)
+    if path is not None:
+        return path
+    if spec in _ALIASES:
+        return _package_dir(_ALIASES[spec])
+    if "/" not in spec and (BUNDLED_DIR / spec).is_dir():
+        return BUNDLED_DIR / spec
+    return Path(spec).expanduser()
+
+
 def resolve(spec: str | os.PathLike) -> ModelSource:
     """Turn a model spec into a ModelSource, or raise ModelLoadError naming what is wrong."""
-    spec = str(spec)
-    if spec in _ALIASES:
-        path = _package_dir(_ALIASES[spec])
-    elif "/" not in spec and (BUNDLED_DIR / spec / "config.json").is_file():
-        path = BUNDLED_DIR / spec
-    else:
-        path = Path(spec).expanduser()
+    path = _locate(str(spec))
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf checkpoint")

@@ -2,6 +2,8 @@
 lookup corpus defaults to the demo target's and is checked against the target."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from serve_app.args import AppArgs
@@ -192,3 +194,22 @@ def test_every_replicas_cache_fits_the_budget(long_dir, tiny_draft_dir, tiny_dir
     without = AppArgs(target=str(tiny_dir), proposer="hybrid", draft=str(tiny_eagle_dir), draft_in_target=False, **budget)
     without.validate_models()
     assert without.max_model_len == 368
+
+
+def test_a_local_directory_named_like_the_demo_target_is_the_users(tiny_dir, tmp_path, monkeypatch):
+    """As in transformers' from_pretrained, a path that exists wins over a name: a checkpoint saved
+    as ./smollm2 is loaded, without the demo target's draft and corpus, and replicas (whose working
+    directory differs) get its absolute path."""
+    import shutil
+
+    from specdec.loader import resolve
+    shutil.copytree(tiny_dir, tmp_path / "smollm2")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("smollm2").path == Path("smollm2")
+    a = AppArgs(target="smollm2")
+    assert a.target == str((tmp_path / "smollm2").resolve())
+    assert (a.draft, a.proposer, a.lookup_corpus, a.served_model_name) == (None, "ngram", None, "smollm2")
+    a.validate_models()
+    monkeypatch.chdir(tmp_path / "smollm2")  # no such path here: the name is the demo target's
+    assert (AppArgs().target, AppArgs().draft, AppArgs().served_model_name) == (
+        "smollm2", "smollm2-eagle", "SmolLM2-135M-Instruct")
