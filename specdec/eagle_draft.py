@@ -23,11 +23,15 @@ relative to the first feature the draft saw for a sequence (`base`): attention w
 embeddings depends only on position differences, so a draft that joins a sequence late (a
 restarted replica) just attends to fewer positions. Checkpoint layout (a directory):
 config.json (the layer's dimensions, `feature_layers`), model.safetensors (fuse, fc and layers), the tokenizer, and
-specdec.json with {"kind": "eagle", "target": ..., "draft_vocab": [...]}.
+specdec.json with {"kind": "eagle", "target": ..., "draft_vocab": [...], "target_fingerprint": [...]}.
+The fingerprint (`target_fingerprint`) lets a target of the same shape but other weights (another
+fine-tune) be told apart at load: the draft still loads and output stays the target's, but its
+features are not the ones it learned, so acceptance drops, and the log says why.
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,6 +42,24 @@ from transformers import AutoConfig, PretrainedConfig
 from specdec.model import BatchIndex, DecoderLayer, Linear, ModelArgs, Transformer
 
 EAGLE_KIND = "eagle"
+FINGERPRINT_SIZE = 16
+log = logging.getLogger(__name__)
+
+
+def target_fingerprint(target: Transformer) -> list[float]:
+    """The first weights of the target's final norm and of its embedding's first column: trained in
+    every fine-tune, never sharded or prepacked here (a whole target), and in another dtype changed
+    only by its rounding."""
+    n = FINGERPRINT_SIZE
+    w = torch.cat([target.norm.weight.detach()[:n], target.embed_tokens.weight.detach()[:n, 0]])
+    return [round(float(x), 6) for x in w.float().cpu()]
+
+
+def same_target(saved: list[float], target: Transformer, rtol: float = 0.02) -> bool:
+    """Whether `saved` is `target`'s fingerprint (bf16 rounding moves a weight by < 0.4 %)."""
+    mine = torch.tensor(target_fingerprint(target))
+    theirs = torch.tensor(saved)
+    return mine.shape == theirs.shape and bool(((mine - theirs).abs() <= rtol * theirs.abs().clamp(min=1e-3)).all())
 
 
 class EagleDraftConfig(PretrainedConfig):
@@ -101,6 +123,7 @@ class EagleDraft(Transformer):
         self.lm_head.weight = nn.Parameter(w.clone(), requires_grad=False)
         self.token_map = token_map.to(w.device)
         self.inv_freq, self.attention_scaling = target.inv_freq, target.attention_scaling
+        self.fingerprint = target_fingerprint(target)
 
     @torch.no_grad()
     def load_grown(self, state: dict[str, Tensor]) -> None:
@@ -187,7 +210,8 @@ class EagleDraft(Transformer):
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
-        extra = {**extra, "kind": EAGLE_KIND, "draft_vocab": [int(t) for t in self.token_map.tolist()]}
+        extra = {**extra, "kind": EAGLE_KIND, "draft_vocab": [int(t) for t in self.token_map.tolist()],
+                 "target_fingerprint": self.fingerprint}
         (out / "specdec.json").write_text(json.dumps(extra) + "\n")
 
 
@@ -248,6 +272,9 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
         raise ValueError(f"EAGLE checkpoint {path} does not match: missing {sorted(trained & set(missing))[:4]}, "
                          f"unexpected {unexpected[:4]}")
     draft.extra = extra
+    if extra.get("target_fingerprint") and not same_target(extra["target_fingerprint"], target):
+        log.warning("EAGLE draft %s was trained on another target of this shape (%s; their weights "
+                    "differ): output stays the target's, but expect low acceptance", path, extra.get("target", "?"))
     dtype = dtype or target.dtype
     for part in (draft.fuse, draft.fc, draft.layers):  # on the target's device: it shares its embedding and head
         if part is not None:

@@ -36,6 +36,18 @@ def test_demo_answers_paris(demo_model, demo_tok, demo_prompts):
     assert "Paris" in demo_tok.decode(out[0])
 
 
+def test_the_shipped_draft_was_made_for_the_demo_target(demo_model, demo_dir):
+    """Its fingerprint matches the demo target in float32 and bf16 (a draft loaded onto another
+    target of this shape would say so in the log)."""
+    import json
+
+    from specdec.eagle_draft import same_target
+    from specdec.loader import BUNDLED_DIR
+    saved = json.loads((BUNDLED_DIR / "smollm2-eagle" / "specdec.json").read_text())["target_fingerprint"]
+    assert same_target(saved, demo_model) and same_target(saved, load_model(demo_dir, dtype=torch.bfloat16))
+    assert not same_target([x * 1.05 for x in saved], demo_model)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_demo_greedy_identity_float32(demo_model, demo_tok, demo_prompts, k):
     ref, _ = _run(demo_model, demo_tok, demo_prompts, None, 0)

@@ -344,3 +344,25 @@ def test_features_of_a_re_fed_position_replace_the_queued_ones():
     assert start == 0 and torch.equal(feats, torch.cat([first[:4], again]))
     s.add_features(9, again)  # a gap: start over there
     assert s.pending_features()[0] == 9
+
+
+def test_a_draft_made_for_another_target_of_the_same_shape_loads_with_a_warning(
+        target, tiny_dir, tiny_tok, tmp_path, caplog):
+    """The draft records its target's fingerprint; the same target in another dtype matches it, a
+    same-shape target with other weights (another fine-tune) is named in the log (output stays
+    the target's; acceptance drops), and a draft saved without one loads quietly."""
+    import json
+    make_eagle(target).save(tmp_path / "e", tiny_tok, {"target": str(tiny_dir)}, dtype=torch.float32)
+    other = load_model(tiny_dir)
+    with torch.no_grad():
+        other.embed_tokens.weight.add_(0.05 * torch.randn_like(other.embed_tokens.weight))
+    with caplog.at_level("WARNING", logger="specdec.eagle_draft"):
+        load_eagle(tmp_path / "e", target)
+        load_eagle(tmp_path / "e", load_model(tiny_dir, dtype=torch.bfloat16))
+        assert not caplog.records
+        load_eagle(tmp_path / "e", other)
+        assert len(caplog.records) == 1 and "another target" in caplog.records[0].getMessage()
+        meta = tmp_path / "e" / "specdec.json"
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "target_fingerprint"}))
+        load_eagle(tmp_path / "e", other)
+        assert len(caplog.records) == 1
