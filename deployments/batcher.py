@@ -61,6 +61,8 @@ from specdec.stats import RoundProfile, SpecStats
 log = logging.getLogger("ray.serve")
 MAX_PENDING_RELEASES = 1024  # finished ids a lane keeps for its next draft call before sending them alone
 SUSPECT_S = 60.0  # how long new calls avoid a replica a call timed out on
+HEALTH_TIMEOUT_S = 5.0  # how long a health probe waits for a Target replica to answer
+HEALTH_CACHE_S = 2.0  # a probe's answer serves the health checks of this long (probes add no load)
 
 
 class SchedulingConfig(BaseModel):
@@ -189,6 +191,7 @@ class Batcher:
         self.metrics = self._make_metrics()
         self.requests: dict = {}  # request group -> _RequestTally (metrics count requests, not sequences)
         self._background: set[asyncio.Task] = set()  # releases re-delivered after a failed call
+        self._health: tuple[float, str | None] = (-HEALTH_CACHE_S, None)  # (when probed, why not ready)
         self.id = replica_id()
         ensure_provider(self.cfg.tracing_env)
 
@@ -615,6 +618,21 @@ class Batcher:
         task.add_done_callback(self._background.discard)
 
     # ---- introspection ------------------------------------------------------------------------
+    async def unready(self) -> str | None:
+        """Why this router could not serve a request now (no Target replica of its build answered
+        within HEALTH_TIMEOUT_S), or None when one did."""
+        now = time.monotonic()
+        if now - self._health[0] >= HEALTH_CACHE_S:
+            try:
+                await asyncio.wait_for(self.target.ready.remote(self.cfg.target_build), HEALTH_TIMEOUT_S)
+                why = None
+            except asyncio.TimeoutError:
+                why = f"no Target replica answered within {HEALTH_TIMEOUT_S:g} s"
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                why = f"Target: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            self._health = (time.monotonic(), why)
+        return self._health[1]
+
     def engine_stats(self) -> dict:
         d = self.stats.to_dict()
         d.update(profile=self.profile.to_dict(), measured_speedup=self.cost.measured_speedups(),

@@ -256,6 +256,15 @@ class TargetDeployment:
         ray.get(refs)
         return workers
 
+    async def ready(self, build: str | None = None) -> str:
+        """This replica's id, for a Router's health probe; refused, as a round would be, when the
+        replica is broken or runs another build."""
+        if build and build != self.build:
+            raise WrongBuild(f"target replica {self.id} runs build {self.build}, not {build}", self.id)
+        if self.broken:
+            raise TargetFault(f"target replica {self.id} is broken: {self.broken}")
+        return self.id
+
     async def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None,
                      avoid: list[str] | None = None) -> tuple[str, VerifyOutput]:
         """One round for a batch; `pin`/`avoid` are read by the affinity request router only."""

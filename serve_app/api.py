@@ -224,7 +224,10 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        return JSONResponse({"status": "ok", "lanes": len(self.batcher.lanes), "queued": len(self.batcher.queue)})
+        """200 when a Target replica of this app's build answers, else 503 with the reason."""
+        why = await self.batcher.unready()
+        body = {"status": "unavailable" if why else "ok", "lanes": len(self.batcher.lanes), "queued": len(self.batcher.queue)}
+        return JSONResponse({**body, "reason": why} if why else body, status_code=503 if why else 200)
 
     @app.get("/stats")
     async def stats(self, request: Request) -> Response:

@@ -23,7 +23,8 @@ class FakeTarget:
     def __init__(self, worker=None, failures: int = 0, error=None, hang: bool = False, fail_from: int | None = None):
         self.worker, self.failures, self.error, self.hang, self.fail_from = worker, failures, error, hang, fail_from
         self.calls = 0
-        self.verify, self.release = Method(self._verify), Method(self._release)
+        self.down = False  # `ready` (the health probe) raises
+        self.verify, self.release, self.ready = Method(self._verify), Method(self._release), Method(self._ready)
 
     def options(self, **_):
         return self
@@ -41,6 +42,13 @@ class FakeTarget:
     async def _release(self, ids, pin=None):
         if self.worker is not None:
             self.worker.release(ids)
+
+    async def _ready(self, build=None):
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.down:
+            raise RuntimeError("no replica")
+        return "replica-b"
 
 
 class FakeDraft:

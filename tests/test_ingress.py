@@ -315,3 +315,29 @@ async def test_an_invalid_user_config_fails_a_starting_replica_but_not_a_running
     assert r.status_code == 200
     await cls.reconfigure(ing, {})
     assert ing.config_error is None and ing.batcher.cfg == ing.batcher.built
+
+
+@pytest.mark.asyncio
+async def test_health_is_503_while_no_target_replica_answers(ingress, monkeypatch):
+    """/health answered ok whatever the Target did: probes and load balancers kept sending
+    requests to a router that could serve none."""
+    from deployments import batcher as batcher_mod
+    app, ing, target = ingress
+    cls = type(ing)
+    monkeypatch.setattr(batcher_mod, "HEALTH_TIMEOUT_S", 0.2)
+
+    async def health():
+        r = await cls.health(ing)
+        return r.status_code, json.loads(r.body)
+
+    assert (await health())[0] == 200
+    target.down = True
+    assert (await health())[0] == 200  # the last answer serves for HEALTH_CACHE_S
+    monkeypatch.setattr(batcher_mod, "HEALTH_CACHE_S", 0.0)
+    code, body = await health()
+    assert code == 503 and body["status"] == "unavailable" and "no replica" in body["reason"]
+    target.down, target.hang = False, True
+    code, body = await health()
+    assert code == 503 and "answered within" in body["reason"]
+    target.hang = False
+    assert (await health())[0] == 200
