@@ -96,7 +96,9 @@ EXPOSE 8000 8265 8080
 # autoscaling policies apply, and blocks streaming logs).
 # Token auth is on unless RAY_AUTH_MODE=disabled is passed: the token is generated inside the
 # container (`docker exec <container> ray get-auth-token` prints it for the dashboard/CLI).
-# HTTP on :8000 needs no token. SIGINT lets `serve run` shut the application down cleanly.
+# HTTP on :8000 needs no token. SIGINT lets `serve run` shut the application down cleanly: requests
+# in flight get up to SPECDEC_ROUTER_DRAIN_S (300 s) to finish, so run with `--stop-timeout 330`
+# (Docker kills after 10 s by default, cutting longer streams off).
 # Inside the container Serve must listen on all interfaces, or a published port reaches nothing:
 # a config whose http_options.host is loopback (127.0.0.1, localhost, ::1: serve_config.yaml, safe
 # on a workstation) is served from a copy (YAML-parsed) that binds 0.0.0.0, and

@@ -277,3 +277,18 @@ def test_the_default_command_serves_on_all_interfaces(tmp_path):
         assert served == {**ours, "http_options": {**ours["http_options"], "host": "0.0.0.0"}}, name
     envs = dict(arg.split("=", 1) for instr, arg in _instructions() if instr == "ENV" and "=" in arg)
     assert envs.get("RAY_SERVE_DEFAULT_HTTP_HOST") == "0.0.0.0"  # `serve run module:app` too
+
+
+def test_documented_docker_runs_let_streams_in_flight_finish():
+    """`docker stop` kills 10 s after the STOPSIGNAL unless told otherwise, while `serve run` gives
+    requests in flight up to the Router's drain time: every documented `docker run` waits longer."""
+    from serve_app.constants import ROUTER_DRAIN_S
+    assert dict(_instructions()).get("STOPSIGNAL") == "SIGINT"  # serve run shuts the app down gracefully
+    runs = []
+    for doc in (ROOT / "README.md", ROOT / "k8s" / "README.md"):
+        text = re.sub(r"\\\n\s*", " ", doc.read_text(encoding="utf-8"))  # join continued lines
+        runs += [(doc.name, m) for m in re.findall(r"docker run [^`\n]*", text)]
+    assert len(runs) >= 4
+    for doc, cmd in runs:
+        m = re.search(r"--stop-timeout[ =](\d+)", cmd)
+        assert m and int(m.group(1)) > ROUTER_DRAIN_S, f"{doc}: {cmd}"
