@@ -881,6 +881,56 @@ def test_a_draft_replica_never_takes_its_own_drafts_for_confirmed_tokens(tiny_dr
     assert d.propose(batch(len(prompt), [24, 24, 24])).unknown == []  # at its own confirmed length: fine
 
 
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_calls_sent_again_give_the_same_answers(tiny_dir, tiny_draft_dir, tiny_eagle_dir, kind):
+    """A router re-sends a call whose reply it lost (a timeout, a dropped connection) after the
+    replica applied it, so the replica's cache already holds every confirmed token the call sends.
+    The repeat must still feed the last confirmed token (its logits decide the next token): with
+    every propose and every verify sent twice, greedy output is plain decoding's."""
+    import torch
+
+    from specdec.eagle_draft import load_eagle
+    from specdec.engine import EngineConfig, LLMEngine
+    from specdec.loader import load_model
+    from specdec.proposers.base import Proposer
+    from specdec.proposers.draft_model import DraftModelProposer
+    from specdec.proposers.eagle import EagleProposer
+    from specdec.sampling import SamplingParams
+    from specdec.target_worker import TargetWorker
+
+    class Twice(Proposer):
+        def __init__(self, inner):
+            self.inner, self.needs_features = inner, inner.needs_features
+        has_model = property(lambda self: True)
+
+        def release(self, seq_ids):
+            self.inner.release(seq_ids)
+
+        def propose(self, batch):
+            first = self.inner.propose(batch)
+            again = self.inner.propose(batch)
+            assert torch.equal(again.tokens, first.tokens) and again.num_draft == first.num_draft
+            return again
+
+    class VerifyTwice(TargetWorker):
+        def verify(self, batch, draft):
+            first = super().verify(batch, draft)
+            again = super().verify(batch, draft)
+            assert again.tokens == first.tokens
+            return again
+
+    target = load_model(tiny_dir, dtype=torch.float32)
+    inner = (DraftModelProposer(load_model(tiny_draft_dir, dtype=torch.float32), 4, 256) if kind == "draft"
+             else EagleProposer(load_eagle(tiny_eagle_dir, target), 4, 256))
+    cfg = EngineConfig(max_batch_size=4, max_model_len=256, num_speculative_tokens=3, adaptive=False)
+    prompts = [[11, 42, 7, 99, 5, 300, 17], [5, 6, 7, 5, 6, 7, 5]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = LLMEngine(TargetWorker(target, 4, 256), None, None, cfg, eos_token_ids=[]).generate(prompts, params)
+    eng = LLMEngine(VerifyTwice(target, 4, 256), Twice(inner), None, cfg, eos_token_ids=[])
+    twice = eng.generate(prompts, params)
+    assert [s.output_ids for s in twice] == [s.output_ids for s in plain]
+    assert eng.stats.proposed > 0
+
 class _TwoBuilds(_TwoReplicas):
     """Two in-process Target replicas, "b" first for unpinned calls (the one a lane meets first)."""
 
