@@ -123,6 +123,33 @@ def test_incomplete_character_at_the_end_is_kept(tiny):
     assert seq.text == tiny.decode(ids) and seq.text.endswith("\ufffd")
 
 
+
+def test_pending_text_is_only_what_is_held_back(tiny):
+    """`pending` (searched for stop strings beside the text) is the provisional text of the held
+    tokens: once they are emitted it is empty, or a stop string could match text twice over."""
+    from specdec.detokenizer import IncrementalDetokenizer
+    ids = tiny("a🎉", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tiny)
+    for t in ids[:-1]:
+        d.push(t)
+    assert d.text == "a" and d.pending.endswith("\ufffd")
+    d.push(ids[-1])
+    assert d.text == "a🎉" and d.pending == ""
+
+
+def test_a_prompt_ending_inside_a_character_leaves_the_output_its_own_bytes(tiny):
+    """A prompt cut inside a character (a token-id prompt, a raw completion) must not lend its first
+    bytes to the output: the output's text is its own ids' decode, the lone continuation bytes
+    included, and the rest of it is not shifted."""
+    ids = tiny("ab🎉cd", add_special_tokens=False).input_ids
+    emoji = tiny("🎉", add_special_tokens=False).input_ids
+    cut = len(tiny("ab", add_special_tokens=False).input_ids) + 1  # one byte of the emoji in the prompt
+    assert len(emoji) > 1 and ids[cut - 1] == emoji[0]
+    out = ids[cut:]
+    seq = Sequence(ids[:cut], SamplingParams(max_tokens=len(out)))
+    seq.append(out, tiny)
+    assert seq.text == tiny.decode(out, skip_special_tokens=True) and seq.text.endswith("cd")
+
 # ---- (b) streaming is consistent with the final text for any decode ---------------------------
 def test_cleanup_tokenizer_deltas_add_up_to_text(cleanup_tok):
     seq = Sequence([1], SamplingParams(max_tokens=3))
