@@ -12,7 +12,7 @@ target emits accepted + 1 tokens (the last one recovered or bonus), so
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -76,17 +76,15 @@ class SpecStats:
         return self.batch_size_sum / self.rounds if self.rounds else 0.0
 
     def merge(self, other: "SpecStats") -> None:
-        for name in ("rounds", "row_rounds", "spec_row_rounds", "proposed", "accepted", "emitted",
-                     "batch_size_sum", "draft_time", "target_time", "round_time", "sibling_accepted",
-                     "lookup_proposed", "lookup_accepted", "target_drafted", "target_draft_accepted",
-                     "draft_steps", "draft_step_time"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.proposed_per_pos), len(other.proposed_per_pos))
-        for lst in (self.proposed_per_pos, self.accepted_per_pos):
-            lst.extend([0] * (n - len(lst)))
-        for j, (p, a) in enumerate(zip(other.proposed_per_pos, other.accepted_per_pos)):
-            self.proposed_per_pos[j] += p
-            self.accepted_per_pos[j] += a
+        """Add `other`'s counts (every field: counters summed, per-position lists by position)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for j, v in enumerate(theirs):
+                    mine[j] += v
+            else:
+                setattr(self, f.name, mine + theirs)
 
     def to_dict(self) -> dict:
         d = asdict(self)

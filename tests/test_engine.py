@@ -269,3 +269,36 @@ def test_ngram_history_of_a_sequence_never_released_is_forgotten_when_idle():
         assert not p.propose(batch(2, 3, [])).unknown  # seq 2 stays in use
     assert set(p.history) == {2}
     assert p.propose(batch(1, 5, [3])).unknown == [0]  # seq 1, forgotten: its context must come again
+
+
+def test_spec_stats_count_by_position_and_merge_like_one_object():
+    """The benchmarks and the held-out evaluation add up per-prompt statistics with `merge`: the sum
+    equals one object that observed everything (every counter, positions of unequal lengths)."""
+    import dataclasses
+    import random
+
+    from specdec.stats import SpecStats
+    one = SpecStats()
+    one.observe_row(3, 1, 2)
+    assert (one.proposed_per_pos, one.accepted_per_pos) == ([1, 1, 1], [1, 0, 0])
+    one.observe_round(4, 0.5, 1.0, 2.0)
+    one.observe_round(2, 0.5, 1.0, 2.0)
+    assert one.mean_batch_size == 3.0 and one.per_position_acceptance == [1.0, 0.0, 0.0]
+    rng = random.Random(0)
+    parts, whole = [SpecStats(), SpecStats()], SpecStats()
+    numeric = [f.name for f in dataclasses.fields(SpecStats) if f.type in ("int", "float")]
+    for i in range(200):
+        part = parts[i % 2] if i < 150 else parts[0]
+        k = rng.randint(0, 5 if i % 2 else 2)
+        a, b = rng.randint(0, k), rng.randint(1, 8)
+        for s in (part, whole):
+            s.observe_row(k, a, a + 1)
+            s.observe_round(b, 0.25, 0.5, 1.0)
+        for name in numeric:  # (and the counters the engine adds to directly)
+            v = rng.randint(0, 3)
+            for s in (part, whole):
+                setattr(s, name, getattr(s, name) + v)
+    total = SpecStats()
+    for p in parts:
+        total.merge(p)
+    assert total == whole
