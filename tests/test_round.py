@@ -164,3 +164,78 @@ def test_a_row_the_target_did_not_hold_resends_its_whole_context():
     assert lost.tokens == before
     run_round(sched, _propose, verify)
     assert sent[1].offsets[0] == 0 and sent[1].new_tokens[0] == before and sent[0].offsets[0] == len(before)
+
+
+def _commit(sched, drafts: list[int], emitted: list[int], accepted: int, unknown_d=(), planned=None):
+    """Commit one planned round of one row: `drafts` proposed, the target emitting `emitted`."""
+    plan = planned or sched.plan()
+    tokens = torch.tensor([drafts], dtype=torch.long) if drafts else torch.zeros(1, 0, dtype=torch.long)
+    sched.commit(plan, DraftOutput(tokens, [len(drafts)], unknown=list(unknown_d)),
+                 VerifyOutput([emitted], [accepted]), 0.0, 0.01, 0.01)
+    return plan
+
+
+def test_a_multi_step_round_stops_a_row_at_its_end_token_inside_the_target():
+    """The stop ids a multi-step plain round sends hold the end-of-sequence ids beside the
+    request's stop_token_ids (without them the target decoded past the end, tokens thrown away)."""
+    sched = Scheduler(SchedulerConfig(k_max=0, speculate=False, plain_steps=8), eos_token_ids=[2])
+    for params in (SamplingParams(max_tokens=50, temperature=0), SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[9]),
+                   SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, stop_token_ids=[9])):
+        seq = sched.add(Sequence([5, 6], params))
+        seq.target_offset = len(seq.tokens)  # prefilled: the round runs multi-step
+    b = sched.plan().draft_batch
+    assert b.steps == [8, 8, 8] and b.stop_ids == [[2], [2, 9], [9]]
+
+
+def test_after_a_round_without_a_proposer_call_the_proposer_is_sent_what_it_missed():
+    """A plain round calls no proposer: the next drafting round must send it the plain round's
+    tokens too (with them booked as sent, the proposer never saw the sequence, called it unknown,
+    and that round drafted nothing)."""
+    from specdec.proposers.ngram import NgramProposer
+    sched = Scheduler(SchedulerConfig(k_max=2, adaptive=False))
+    seq = sched.add(Sequence([1, 2, 3, 1, 2], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True,
+                                                             num_speculative_tokens=0)))
+    run_round(sched, lambda plan: (DraftOutput.empty(1), False), lambda plan, d: VerifyOutput([[3]], [0]))
+    seq.params.num_speculative_tokens = None
+    plan = sched.plan()
+    out = NgramProposer().propose(plan.draft_batch)
+    assert plan.draft_batch.offsets == [0] and plan.draft_batch.new_tokens == [[1, 2, 3, 1, 2, 3]]
+    assert out.unknown == [] and out.num_draft[0] > 0
+
+
+def test_a_row_the_proposer_lost_resends_its_whole_context_to_it():
+    """A Draft replica that no longer holds a row (restarted, evicted) reports it unknown; the next
+    round sends the proposer the whole context (else it stayed unknown, and undrafted, for good)."""
+    sched = Scheduler(SchedulerConfig(k_max=2, adaptive=False))
+    seq = sched.add(Sequence([1, 2, 3], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)))
+    _commit(sched, [], [8], 0, unknown_d=[0])
+    b = sched.plan().draft_batch
+    assert b.offsets == [0] and b.new_tokens == [seq.tokens] == [[1, 2, 3, 8]]
+
+
+def test_committed_rounds_feed_the_workload_prior_and_the_rows_estimate_by_what_was_proposed():
+    """New sequences start from the workload's recent acceptance: after rounds whose drafts were
+    all rejected it is near 0. A round whose proposer found nothing (0 of the 3 planned drafts
+    proposed) leaves a row's acceptance estimate alone: nothing it drafted was rejected."""
+    sched = Scheduler(SchedulerConfig(k_max=3, adaptive=False))
+    sched.add(Sequence([1, 2, 3], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)))
+    for _ in range(20):
+        plan = sched.plan()
+        k = plan.draft_batch.num_draft[0]
+        _commit(sched, [7] * k, [8], 0, planned=plan)
+    assert sched.cost.acceptance_prior(0.6) < 0.1
+    sched = Scheduler(SchedulerConfig(k_max=3, adaptive=False))
+    seq = sched.add(Sequence([1, 2, 3], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)))
+    before = seq.adaptive.acceptance
+    for _ in range(10):
+        _commit(sched, [], [8], 0)
+    assert seq.adaptive.acceptance == pytest.approx(before) and sched.cost.acceptance_prior(0.6) == 0.6
+
+
+def test_statistics_count_what_the_target_emitted_even_past_a_stop():
+    """SpecStats' emitted is accepted + 1 per row-round (what a target forward yielded), also when
+    the row stops inside the round and keeps fewer (the request's usage counts what it kept)."""
+    sched = Scheduler(SchedulerConfig(k_max=2, adaptive=False))
+    seq = sched.add(Sequence([1, 2, 3], SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[7])))
+    _commit(sched, [7, 8], [7, 8, 9], 2)
+    assert (sched.stats.accepted, sched.stats.emitted, seq.output_ids) == (2, 3, [7])
