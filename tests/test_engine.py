@@ -38,6 +38,29 @@ def outputs(engine, prompts, params):
 def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
     assert ngram_lookup([1, 2, 3, 4], 3) == []
+    assert ngram_lookup([1, 2, 5, 1, 2, 6, 1, 2], 1) == [6]  # the most recent of two matches
+    assert ngram_lookup([4, 7, 9, 4], 2) == [7, 9]  # down to a 1-gram (min_n) when nothing longer matches
+    assert ngram_lookup([4, 7, 9, 4], 2, min_n=2) == []
+
+
+def test_a_one_token_ngram_match_spares_the_hybrid_a_draft_forward():
+    """k = 1 (or a match at the end of the context): the n-gram's single token is the draft, free,
+    and the draft model is not asked for that row."""
+    from specdec.metadata import DraftOutput, SpecBatch
+    from specdec.proposers.base import Proposer
+    from specdec.proposers.hybrid import HybridProposer
+
+    class Model(Proposer):
+        asked: list = []
+
+        def propose(self, b):
+            self.asked.append(list(b.num_draft))
+            return DraftOutput(torch.full((len(b), max(b.num_draft, default=0)), 99), list(b.num_draft))
+    h = HybridProposer(NgramProposer(min_n=3, max_n=5), Model())
+    ctx = [1, 2, 3, 4, 1, 2, 3]  # suffix [1, 2, 3] matches: the n-gram drafts [4]
+    out = h.propose(SpecBatch([1], [0], [ctx], [1], torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                              torch.zeros(1, 3, 2, dtype=torch.float64)))
+    assert out.tokens.tolist() == [[4]] and h.ngram_rows == 1 and h.model_rows == 0 and Model.asked == [[0]]
     assert ngram_lookup([5, 1, 7, 5, 1], 3, max_n=2) == [7, 5, 1]
 
 
