@@ -45,6 +45,26 @@ def test_a_cheaper_longer_verify_behind_a_kernel_cliff_is_found():
     # (extrapolated from k = 1, k = 3 would score 2.18 / (3 c + 2.26) = 0.87 against k = 1's 1.06)
 
 
+def test_a_verify_measured_faster_than_a_plain_round_costs_one():
+    """Noise can make a verify look cheaper than a plain round: it is priced as one, never below
+    (below, speculation would look better than free)."""
+    c = CostModel()
+    c.observe(0, 0, 0, 0.060)
+    c.observe(2, 0, 0, 0.050)
+    assert c.verify_cost(2) == 1.0
+
+
+def test_the_workload_prior_counts_one_rejection_per_round_and_waits_for_evidence():
+    """A round that accepts a of its drafts and rejects the next is a + 1 trials (tokens after the
+    first rejection were never judged): accepting 1 of 4 every round is a per-token acceptance of
+    0.5, not 0.25; and one round is not evidence (the default until min_trials)."""
+    c = CostModel()
+    c.observe_acceptance(4, 1)
+    assert c.acceptance_prior(0.6) == 0.6
+    for _ in range(9):
+        c.observe_acceptance(4, 1)
+    assert c.acceptance_prior(0.6) == pytest.approx(0.5)
+
 def test_plain_round_recalibration():
     cost = CostModel(recalibrate_every=3, throughput_min_rows=0)  # (the safeguard's own plain rounds: below)
     assert cost.needs_plain_round(4)
