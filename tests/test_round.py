@@ -239,3 +239,21 @@ def test_statistics_count_what_the_target_emitted_even_past_a_stop():
     seq = sched.add(Sequence([1, 2, 3], SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[7])))
     _commit(sched, [7, 8], [7, 8, 9], 2)
     assert (sched.stats.accepted, sched.stats.emitted, seq.output_ids) == (2, 3, [7])
+
+
+def test_a_multi_step_round_with_lookups_may_emit_past_one_token_per_step():
+    """Accepted lookups save target calls only if a row may emit more tokens than the round has
+    forwards: its budget is what it may still emit (max_tokens left), not the step count."""
+    sched = Scheduler(SchedulerConfig(k_max=0, plain_steps=4, lookup_k=3, lookup_max_batch=4, adaptive=False))
+    seq = sched.add(Sequence([5, 6, 5, 6], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)))
+    seq.target_offset = len(seq.tokens)
+    b = sched.plan().draft_batch
+    assert (b.steps, b.lookup, b.row_budget(0)) == ([4], [3], 50)
+
+
+def test_drafts_of_rows_the_target_did_not_hold_were_not_judged():
+    """The router's acceptance metrics count judged drafts: none for a row reported unknown."""
+    from specdec.round import RoundResult
+    r = RoundResult(None, DraftOutput(torch.zeros(2, 3, dtype=torch.long), [3, 3]),
+                    VerifyOutput([[], [5, 6]], [0, 1], unknown=[0]), True, 0, 0, 0, 0)
+    assert r.judged_drafts == [0, 3]
