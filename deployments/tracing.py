@@ -107,8 +107,8 @@ def start_span(name: str, carrier: Mapping[str, str] | None = None, server: Cont
     is what `inject(ctx)` sends on)."""
     ensure_provider()
     current = otel_context.get_current()
-    client = _extract(carrier or {}, context=Context())
-    trace_id = _span_context(client).trace_id if _span_context(client).is_valid else None
+    client = _span_context(_extract(carrier or {}, context=Context()))
+    trace_id = client.trace_id if client.is_valid else None
     if _span_context(server).is_valid and trace_id in (None, _span_context(server).trace_id):
         parent = server
     elif trace_id is None or _span_context(current).trace_id == trace_id:
