@@ -462,3 +462,17 @@ def test_app_policy_keeps_the_targets_capacity_scale_through_a_router_stats_gap(
     for i in range(40, 45):  # the router's stats missing for 10 s
         sim.step(T0 + 2 * i, ({}, {}), target={A.TARGET_TOKENS_PER_S: 600})
     assert sim.n["Target"] == settled
+
+
+
+def test_acceptance_between_low_and_high_does_not_start_a_collapse():
+    """Hysteresis: from a healthy state, acceptance between acceptance_low and acceptance_high is no
+    collapse, so Draft replicas follow demand (only a collapse releases them)."""
+    from serve_app import autoscaling as A
+    router = make_ctx("Router", replicas=1, totals={A.ROUTER_ONGOING_REQUESTS: 4, A.ROUTER_DRAFT_TOKENS_PER_S: 1200.0},
+                      means={A.ROUTER_ACCEPTANCE_RATE: 0.3, A.ROUTER_SPECULATING_FRACTION: 1.0}, now=T0,
+                      total_requests=4)
+    draft = make_ctx("Draft", replicas=1, totals={A.DRAFT_TOKENS_PER_S: 1200.0}, now=T0)
+    decisions, states = A.AppPolicy()({router.deployment_id: router, draft.deployment_id: draft})
+    assert not states[router.deployment_id]["specdec.acceptance_collapsed"]
+    assert decisions[draft.deployment_id] == 5  # 1200 / 400 / 0.7 -> 5

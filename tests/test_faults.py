@@ -1066,3 +1066,131 @@ async def test_a_lane_short_of_slots_moves_to_a_replica_that_scale_out_added(tin
     assert outs == want
     await asyncio.sleep(0.05)  # (the background release to "a")
     assert a.table.num_free == b.table.num_free == 6 and not a.table.waiting
+
+
+
+# ---- admission and clean-up paths a mutation review found untested ------------------------------
+def _idle_batcher(tiny_dir, **cfg):
+    """A batcher whose Target never answers: its lanes and queue stay as admission left them."""
+    return _batcher(tiny_dir, _FakeTarget(hang=True), max_model_len=128, **cfg)
+
+
+async def _stop_lanes(batcher):
+    for lane in batcher.lanes:
+        lane.task.cancel()
+    await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_a_lane_never_admits_more_rows_than_max_batch_size(tiny_dir):
+    """A lane's rows need KV slots sized for max_batch_size rows: the third row of two requests waits."""
+    from specdec.sampling import SamplingParams
+    b = _idle_batcher(tiny_dir, max_batch_size=2, max_lanes=1, max_request_share=1.0)
+    b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4)])
+    b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4)] * 2)
+    assert [lane.load for lane in b.lanes] == [2] and len(b.queue) == 1
+    await _stop_lanes(b)
+
+
+@pytest.mark.asyncio
+async def test_no_lane_opens_for_a_request_at_its_row_cap(tiny_dir):
+    """A request holding its share of rows waits in the queue: no empty lane opens for it (one did,
+    ended at once and reopened, spinning)."""
+    from specdec.sampling import SamplingParams
+    b = _idle_batcher(tiny_dir, max_batch_size=2, max_lanes=2, max_request_share=0.5)  # cap: 2 rows
+    b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4)] * 4)
+    assert len(b.lanes) == 1 and len(b.queue) == 2
+    await _stop_lanes(b)
+
+
+@pytest.mark.asyncio
+async def test_a_queued_sequence_its_client_left_frees_its_place_at_once(tiny_dir):
+    """A client gone while its sequence is still queued: the place is free for the next request (a
+    dead entry counted against admission, a false 503, and later cost a prefill)."""
+    from specdec.sampling import SamplingParams
+    b = _idle_batcher(tiny_dir, max_batch_size=1, max_lanes=1, max_queued_sequences=1, max_request_share=1.0)
+    p = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
+    b.submit([[5, 6, 7]], p)
+    [q] = b.submit([[5, 6, 7]], p)
+    assert list(b.queue) == [q]
+    b.finish(q)
+    assert not b.queue
+    b.submit([[5, 6, 7]], p)  # admitted, not Overloaded
+    await _stop_lanes(b)
+
+
+@pytest.mark.asyncio
+async def test_requests_queued_behind_a_lane_that_failed_are_served(tiny_dir):
+    """A lane that dies on an unexpected error fails its own rows (500); those queued behind it get
+    a new lane (they waited forever for some other request to arrive)."""
+    from deployments.batcher import RequestFailed
+    from specdec.sampling import SamplingParams
+    target = _FakeTarget(_new_worker(tiny_dir), failures=1, error=lambda: ValueError("boom"))
+    b = _batcher(tiny_dir, target, max_model_len=128, max_batch_size=1, max_lanes=1, max_request_share=1.0)
+    p = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
+    [a] = b.submit([[5, 6, 7]], p)
+    [q] = b.submit([[5, 6, 7]], p)
+    with pytest.raises(RequestFailed) as e:
+        await asyncio.wait_for(_drain(b, [a]), 5)
+    assert e.value.status == 500
+    await asyncio.wait_for(_drain(b, [q]), 5)
+    assert q.finish_reason == "length" and q.num_output == 4
+
+
+class _ReleaseAlsoFailsOnce(_TwoReplicaTarget):
+    """Replica "a" is unreachable for a moment: its next verify and its next release fail."""
+
+    def __init__(self, workers):
+        super().__init__(workers)
+        self.release_failed = False
+
+    async def _release(self, ids, pin=None):
+        import ray.exceptions
+        if pin == "a" and not self.release_failed:
+            self.release_failed = True
+            raise ray.exceptions.ActorUnavailableError("still unreachable", None)
+        return await super()._release(ids, pin=pin)
+
+
+@pytest.mark.asyncio
+async def test_a_release_that_fails_once_is_delivered_later(tiny_dir):
+    """Slots of a replica unreachable for a moment are freed once it answers again (else they stayed
+    taken on a live replica until its idle reclaim, refusing new rows meanwhile)."""
+    from specdec.sampling import SamplingParams
+    workers = {"a": _new_worker(tiny_dir), "b": _new_worker(tiny_dir)}
+    target = _ReleaseAlsoFailsOnce(workers)
+    batcher = _batcher(tiny_dir, target)
+    seqs = batcher.submit([[5, 6, 7]], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2)
+    await asyncio.wait_for(_drain(batcher, seqs), timeout=30)
+    for _ in range(100):  # (delivered in the background)
+        if not len(workers["a"].table):
+            break
+        await asyncio.sleep(0.05)
+    assert target.failed and target.release_failed
+    assert len(workers["a"].table) == 0 and len(workers["b"].table) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_lane_with_no_slot_at_all_moves_to_a_replica_that_scale_out_added(tiny_dir):
+    """Every row of a lane waiting for a slot on a full replica: the lane backs off and lets the
+    router choose again, so a replica that scale-out adds takes it while the other lane still runs."""
+    import torch
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    a, b = (TargetWorker(load_model(tiny_dir, dtype=torch.float32), 4, 256) for _ in "ab")
+    handle = _ScaledOutTarget({"a": a})
+    batcher = _batcher(tiny_dir, handle, max_batch_size=4, max_lanes=2, plain_steps=1)
+
+    async def one(p):
+        out = await _generate(batcher, p, 40)
+        handle.finished += 1
+        return out
+    runs = [asyncio.ensure_future(one([5 + i, 9, 14, 3])) for i in range(8)]  # 2 lanes x 4 rows, 4 slots
+    for _ in range(400):
+        await asyncio.sleep(0.005)
+        if len(a.table.waiting) >= 4:
+            break
+    assert len(a.table.waiting) >= 4 and handle.finished == 0  # the second lane holds no slot on "a"
+    handle.replicas["b"] = b  # scale-out
+    await asyncio.gather(*runs)
+    assert handle.first_b_call_done == 0  # it moved while the first lane still ran on "a"

@@ -341,3 +341,26 @@ async def test_health_is_503_while_no_target_replica_answers(ingress, monkeypatc
     assert code == 503 and "answered within" in body["reason"]
     target.hang = False
     assert (await health())[0] == 200
+
+
+
+@pytest.mark.asyncio
+async def test_usage_counts_the_tokens_of_every_choice(ingress):
+    app, ing, target = ingress
+    async with _client(app) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello", "temperature": 0,
+                                                 "ignore_eos": True, "n": 2, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.asyncio
+async def test_the_default_max_tokens_shrinks_to_the_room_left_in_the_context(ingress):
+    """A long prompt without max_tokens gets the answer that fits (finish_reason "length"), not a
+    400 for a budget it never asked for."""
+    app, ing, target = ingress  # max_model_len 128
+    async with _client(app) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": [5] * 120, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["finish_reason"] == "length"

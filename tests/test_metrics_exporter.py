@@ -488,3 +488,15 @@ async def test_a_request_the_server_failed_is_finished_as_error_not_abort(fakes,
     assert fakes[M.REQUESTS_FINISHED].total(finish_reason="error") == 1
     assert fakes[M.REQUESTS_FINISHED].total(finish_reason="abort") == 0
     await asyncio.sleep(0)
+
+
+
+def test_mean_draft_length_gauge_forgets_old_rounds(fakes):
+    """Rounds that leave the window leave the mean draft length too (their rows stayed in the divisor)."""
+    from deployments import metrics as M
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    rm.record_round(1, [2], [1], [2], 0.01, 0.01, 0.02)
+    clock.t += 20
+    rm.record_round(1, [4], [1], [2], 0.01, 0.01, 0.02)
+    assert fakes[M.NUM_DRAFT_MEAN].last() == 4.0
