@@ -364,3 +364,26 @@ async def test_the_default_max_tokens_shrinks_to_the_room_left_in_the_context(in
                                                  "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+
+@pytest.mark.asyncio
+async def test_token_ids_are_checked_against_the_vocabulary_and_the_body_limit_is_inclusive(ingress):
+    """The last id of the vocabulary is a prompt, the next one a 400 (it would fail the target's
+    embedding, with the whole lane); a body of exactly max_body_bytes is read, one byte more is 413."""
+    import json as _json
+    app, ing, target = ingress
+    V, limit = ing.vocab_size, ing.api.max_body_bytes
+    body = {"model": "m", "temperature": 0, "max_tokens": 1}
+    async with _client(app) as c:
+        ok = await c.post("/v1/completions", json={**body, "prompt": [V - 1]})
+        bad = await c.post("/v1/completions", json={**body, "prompt": [V]})
+        pad = limit - len(_json.dumps({**body, "prompt": "hi", "user": ""}).encode())
+        exact = _json.dumps({**body, "prompt": "hi", "user": "x" * pad}).encode()
+        assert len(exact) == limit
+        at_limit = await c.post("/v1/completions", content=exact, headers={"content-type": "application/json"})
+        over = await c.post("/v1/completions", content=exact[:-1] + b" }", headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert at_limit.status_code == 200, at_limit.text
+    assert over.status_code == 413
