@@ -476,3 +476,24 @@ def test_acceptance_between_low_and_high_does_not_start_a_collapse():
     decisions, states = A.AppPolicy()({router.deployment_id: router, draft.deployment_id: draft})
     assert not states[router.deployment_id]["specdec.acceptance_collapsed"]
     assert decisions[draft.deployment_id] == 5  # 1200 / 400 / 0.7 -> 5
+
+
+def test_each_downscale_waits_the_whole_delay():
+    """After a scale-down the delay starts again: a load that keeps falling steps down one delay at
+    a time (the timer of the first step let the second follow at once)."""
+    sim = Sim(A.TargetPolicy, "Target", replicas=4, min_replicas=1)
+    tps = 1.05 * P.target_tokens_per_s  # 1.05 units: 2 replicas at the target utilization
+    assert sim.step(T0, totals={A.TARGET_TOKENS_PER_S: tps}) == 4
+    assert sim.step(T0 + P.downscale_delay_s, totals={A.TARGET_TOKENS_PER_S: tps}) == 2
+    assert sim.step(T0 + P.downscale_delay_s + 5, totals={A.TARGET_TOKENS_PER_S: 0.0}) == 2
+    assert sim.step(T0 + 2 * P.downscale_delay_s + 5, totals={A.TARGET_TOKENS_PER_S: 0.0}) == 1
+
+
+def test_the_draft_floor_while_serving_raises_the_draft_count():
+    """draft_floor_while_serving above the current Draft count scales it up even at low load."""
+    router = make_ctx("Router", replicas=1, totals={A.ROUTER_ONGOING_REQUESTS: 1, A.ROUTER_DRAFT_TOKENS_PER_S: 10.0},
+                      means={A.ROUTER_ACCEPTANCE_RATE: 0.6, A.ROUTER_SPECULATING_FRACTION: 1.0}, now=T0,
+                      total_requests=1)
+    draft = make_ctx("Draft", replicas=1, totals={A.DRAFT_TOKENS_PER_S: 10.0}, now=T0)
+    decisions, _ = A.AppPolicy(draft_floor_while_serving=2)({router.deployment_id: router, draft.deployment_id: draft})
+    assert decisions[draft.deployment_id] == 2
