@@ -500,3 +500,18 @@ def test_mean_draft_length_gauge_forgets_old_rounds(fakes):
     clock.t += 20
     rm.record_round(1, [4], [1], [2], 0.01, 0.01, 0.02)
     assert fakes[M.NUM_DRAFT_MEAN].last() == 4.0
+
+
+def test_rates_stay_in_their_ranges_whatever_is_reported(fakes):
+    """A verify that reports more accepted than drafted (a bug elsewhere, or a row the target
+    drafted itself) never lifts acceptance above 1, and a replica whose forwards overlap the window
+    edge is never more than fully busy (the autoscaler reads both)."""
+    from deployments import metrics as M
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    rm.record_round(1, [2], [3], [4], 0.01, 0.01, 0.02)
+    assert rm.window_summary()["acceptance_rate"] == 1.0
+    meter = M.LoadMeter(window_s=10.0, clock=clock)
+    clock.t += 1
+    meter.record(5, 3.0)  # 3 s of forwards reported 1 s after the replica started
+    assert meter.busy_fraction() == 1.0
