@@ -204,3 +204,20 @@ async def test_a_draft_replica_added_while_lanes_run_gets_a_lane(tiny_dir):
 
     await asyncio.gather(scale_out(), *(client(i) for i in range(8)))
     assert draft.calls.get("D2", 0) > 10
+
+
+@pytest.mark.asyncio
+async def test_a_new_lane_waits_out_the_grace_for_a_fresh_replica_before_a_used_one():
+    """A fresh replica momentarily full: a new lane's call keeps to it for AVOID_GRACE_S (lanes
+    spread) and only then also tries the used ones; a call older than the grace tries both at once."""
+    from deployments import affinity
+    router = _router([FakeReplica("used", 0.0), Stuck("fresh", "full")])
+    young = asyncio.ensure_future(router._choose_replica_for_request(_pending(0, None, ["used"])))
+    await asyncio.sleep(0.3 * affinity.AVOID_GRACE_S)
+    assert not young.done()
+    assert (await asyncio.wait_for(young, 5.0)).replica_id.unique_id == "used"
+    old = _pending(1, None, ["used"])
+    old.created_at -= 2 * affinity.AVOID_GRACE_S
+    chosen = await asyncio.wait_for(router._choose_replica_for_request(old), 0.5 * affinity.AVOID_GRACE_S)
+    assert chosen.replica_id.unique_id == "used"
+
