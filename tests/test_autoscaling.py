@@ -497,3 +497,15 @@ def test_the_draft_floor_while_serving_raises_the_draft_count():
     draft = make_ctx("Draft", replicas=1, totals={A.DRAFT_TOKENS_PER_S: 10.0}, now=T0)
     decisions, _ = A.AppPolicy(draft_floor_while_serving=2)({router.deployment_id: router, draft.deployment_id: draft})
     assert decisions[draft.deployment_id] == 2
+
+
+def test_collapse_is_judged_only_while_drafts_are_requested():
+    """With no draft tokens requested the router's acceptance is stale: the collapse state stays
+    as it was, either way."""
+    from serve_app import autoscaling as A
+    for before, acceptance in ((False, 0.05), (True, 0.9)):
+        router = make_ctx("Router", replicas=1, totals={A.ROUTER_ONGOING_REQUESTS: 1, A.ROUTER_DRAFT_TOKENS_PER_S: 0.0},
+                          means={A.ROUTER_ACCEPTANCE_RATE: acceptance, A.ROUTER_SPECULATING_FRACTION: 0.0}, now=T0,
+                          total_requests=1, state={"specdec.acceptance_collapsed": before})
+        _, states = A.AppPolicy()({router.deployment_id: router})
+        assert states[router.deployment_id]["specdec.acceptance_collapsed"] is before

@@ -387,3 +387,21 @@ async def test_token_ids_are_checked_against_the_vocabulary_and_the_body_limit_i
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
     assert at_limit.status_code == 200, at_limit.text
     assert over.status_code == 413
+
+
+@pytest.mark.asyncio
+async def test_a_response_closed_early_leaves_no_waiting_tasks(ingress):
+    """A client that hangs up closes the watch over its choices: the waits still armed for the other
+    choices are cancelled, not left on the event loop until their sequences change."""
+    from specdec.sampling import SamplingParams
+    app, ing, target = ingress
+    seqs = ing.batcher.submit([[5, 6, 7]], [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 2)
+    watch = type(ing)._watch(ing, seqs)
+    await watch.__anext__()
+    await watch.aclose()
+    await asyncio.sleep(0)
+    waiting = [t for t in asyncio.all_tasks() if "Batcher.wait" in repr(t.get_coro()) and not t.done()]
+    for s in seqs:
+        ing.batcher.finish(s)
+    assert not waiting
+    await _idle(ing.batcher)

@@ -515,3 +515,16 @@ def test_rates_stay_in_their_ranges_whatever_is_reported(fakes):
     clock.t += 1
     meter.record(5, 3.0)  # 3 s of forwards reported 1 s after the replica started
     assert meter.busy_fraction() == 1.0
+
+
+def test_position_gauges_fall_to_zero_once_no_draft_reaches_them(fakes):
+    """A position that recent rounds no longer draft shows 0, not its old acceptance."""
+    from deployments import metrics as M
+    clock = Clock()
+    rm = M.RouterMetrics(window_s=10.0, clock=clock)
+    rm.record_round(1, [3], [3], [4], 0.01, 0.01, 0.02)
+    assert fakes[M.POSITION_ACCEPTANCE].last(position="2") == 1.0
+    clock.t += 20
+    rm.record_round(1, [1], [1], [2], 0.01, 0.01, 0.02)
+    assert fakes[M.POSITION_ACCEPTANCE].last(position="2") == 0.0
+    assert fakes[M.POSITION_ACCEPTANCE].last(position="0") == 1.0
