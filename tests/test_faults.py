@@ -1227,3 +1227,49 @@ async def test_lanes_over_a_lowered_max_batch_size_do_not_take_room_from_others(
     b.reconfigure({"max_batch_size": 2})
     b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4)] * 2)  # the second lane's rows
     await _stop_lanes(b)
+
+
+class _RecordingTarget(_FakeTarget):
+    """Records the offsets each verify call sends."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.offsets: list[list[int]] = []
+
+    async def _verify(self, batch, draft, pin=None, avoid=None):
+        self.offsets.append(list(batch.offsets))
+        return await super()._verify(batch, draft, pin=pin, avoid=avoid)
+
+
+class _FailsOnceDraft(_FlakyDraft):
+    """Its third call fails (the replica died; `target` has verified `failed_after` rounds by then)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target, self.failed_after = target, None
+
+    async def _propose(self, batch, pin=None, avoid=None):
+        import ray.exceptions
+        self.calls += 1
+        if self.calls == 3:
+            self.failed, self.failed_after = 1, len(self.target.offsets)
+            raise ray.exceptions.ActorDiedError()
+        return "draft-a", self.proposer.propose(batch)
+
+
+@pytest.mark.asyncio
+async def test_a_draft_reading_features_gets_the_whole_context_again_after_a_failed_call(tiny_dir, tiny_worker):
+    """The replica that serves a features-reading (EAGLE) draft next needs the target's features of
+    the whole context, which only the target computes: after a failed draft call the next verify
+    resends each row from position 0 (else the new replica drafts without them: lower acceptance)."""
+    from deployments.batcher import Batcher
+    from specdec.sampling import SamplingParams
+    target = _RecordingTarget(tiny_worker)
+    draft = _FailsOnceDraft(target)
+    batcher = Batcher({"tokenizer": str(tiny_dir), "max_model_len": 256, "batch_wait_timeout_s": 0, "features": True,
+                       "draft_backoff_s": 0.0, "num_speculative_tokens": 2, "adaptive": False}, draft, target)
+    seqs = batcher.submit([[5, 6, 7, 5, 6, 7]], [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)])
+    await asyncio.wait_for(_drain(batcher, seqs), 30)
+    n = draft.failed_after
+    assert draft.failed == 1 and target.offsets[0] == [0] and n >= 2
+    assert target.offsets[n] == [0] and all(o != [0] for o in target.offsets[1:n])  # resent after the failure only
