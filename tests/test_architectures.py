@@ -251,3 +251,21 @@ def test_the_engine_checks_a_pair_without_the_service(tiny_dir, tiny_draft_dir, 
         check_models(str(tiny_dir), None, "hybrid")
     with pytest.raises(ValueError, match="does not fit target"):  # trained for another hidden size
         check_models(str(tiny_draft_dir), str(tiny_eagle_dir), "eagle")
+
+
+def test_max_model_len_is_checked_at_the_exact_boundaries(tiny_dir):
+    """One position past a sliding window, or past the positions a model computes exactly, is
+    refused; exactly at them is fine."""
+    import dataclasses
+
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    target = load_model(tiny_dir)
+    limit = target.args.max_position_embeddings
+    TargetWorker(target, 1, limit)
+    with pytest.raises(ValueError, match="computes exactly"):
+        TargetWorker(target, 1, limit + 1)
+    target.args = dataclasses.replace(target.args, sliding_window=32)
+    TargetWorker(target, 1, 32)
+    with pytest.raises(ValueError, match="sliding-window span"):
+        TargetWorker(target, 1, 33)

@@ -111,3 +111,9 @@ def test_specdec_corpus_reads_answers_at_the_chosen_temperatures(tiny_dir, tmp_p
     d = c.draft([2], 3)
     assert d[:2] == [3, 4] and d[2] in (5, 6)  # 4 -> 5 and 4 -> 6 tie at 50% (>= 40%): either
     assert c.draft([9, 1, 2], 1) == [3]
+
+
+def test_a_corpus_token_equal_to_the_vocab_size_is_refused():
+    NgramCorpus([0, 4, -1, 3], vocab_size=5)
+    with pytest.raises(ValueError, match="corpus tokens"):
+        NgramCorpus([0, 5, -1, 3], vocab_size=5)

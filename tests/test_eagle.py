@@ -366,3 +366,19 @@ def test_a_draft_made_for_another_target_of_the_same_shape_loads_with_a_warning(
         meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "target_fingerprint"}))
         load_eagle(tmp_path / "e", other)
         assert len(caplog.records) == 1
+
+
+def test_an_eagle_checkpoint_missing_a_trained_weight_is_refused(tiny_dir, tiny_eagle_dir, tmp_path):
+    """A draft would otherwise run with random layers, and nothing would say so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    target = load_model(tiny_dir)
+    load_eagle(tiny_eagle_dir, target)  # complete: loads
+    bad = tmp_path / "eagle"
+    shutil.copytree(tiny_eagle_dir, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state.pop(next(k for k in state if k.startswith("layers.0.mlp.")))
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match"):
+        load_eagle(bad, target)

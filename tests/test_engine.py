@@ -325,3 +325,26 @@ def test_spec_stats_count_by_position_and_merge_like_one_object():
     for p in parts:
         total.merge(p)
     assert total == whole
+
+
+def test_ignore_eos_runs_past_eos_but_stop_ids_still_stop():
+    from specdec.sequence import FINISH_LENGTH, FINISH_STOP, Sequence
+    s = Sequence([5, 6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), eos_token_ids=frozenset({0}))
+    assert s.append([0, 7, 0], None) == 3 and not s.finished
+    assert s.append([0, 9], None) == 1 and s.finish_reason == FINISH_LENGTH
+    s = Sequence([5], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=[7]), eos_token_ids=frozenset({0}))
+    assert s.append([0, 7, 8], None) == 2 and s.finish_reason == FINISH_STOP
+    s = Sequence([5], SamplingParams(max_tokens=4), eos_token_ids=frozenset({0}))
+    assert s.append([3, 0, 8], None) == 2 and s.finish_reason == FINISH_STOP
+
+
+def test_a_draft_whose_vocabulary_maps_other_ids_is_refused_even_at_the_same_size():
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return dict(self.vocab)
+    check_same_vocab(Tok({"a": 0, "b": 1}), Tok({"a": 0, "b": 1}))
+    with pytest.raises(ModelLoadError, match="vocabulary differs"):
+        check_same_vocab(Tok({"a": 0, "b": 1}), Tok({"a": 1, "b": 0}))

@@ -1,4 +1,6 @@
 """The compact runner against the transformers reference, ragged batches and cache rollback."""
+import time
+
 import pytest
 import torch
 
@@ -370,3 +372,25 @@ def test_bf16_linear_rows_do_not_depend_on_rows_per_call(packed, threads, monkey
                 assert torch.equal(lin(x.view(1, -1, 576)).view(len(x), 1, -1), alone)  # one row's 96 positions
     finally:
         torch.set_num_threads(saved)
+
+
+def test_sync_keeps_cached_positions_only_up_to_the_first_replaced_token():
+    t = SlotTable(2, 64)
+    st = t.sync(7, 0, [1, 2])
+    st.tokens += [3, 4]  # a proposer's tentative drafts after the confirmed tokens
+    st.cached = 4  # their keys/values were written
+    st = t.sync(7, 2, [3, 9, 5])  # the first draft accepted, the second replaced
+    assert st.tokens == [1, 2, 3, 9, 5]
+    assert st.cached == 3  # position 3 held the rejected draft's keys: no longer valid
+    st = t.sync(7, 5, [6])  # nothing replaced: the cache stays
+    assert st.cached == 3
+
+
+def test_a_slot_taken_back_from_an_idle_sequence_tells_its_owner():
+    evicted = []
+    t = SlotTable(1, 64, evict_idle_s=0.01, on_evict=evicted.append)
+    t.sync(1, 0, [1, 2])
+    time.sleep(0.02)
+    st = t.sync(2, 0, [3])
+    assert st is not None and 1 not in t and evicted == [1]
+    assert t.evicted == 1
