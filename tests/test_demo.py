@@ -48,6 +48,18 @@ def test_the_shipped_draft_was_made_for_the_demo_target(demo_model, demo_dir):
     assert not same_target([x * 1.05 for x in saved], demo_model)
 
 
+def test_the_shipped_draft_is_accepted_on_the_demo_target(demo_model, demo_tok, demo_prompts):
+    """A golden check of what the shipped draft reads (the fused target features, then the next
+    token's embedding, as it was trained): greedy, k = 3, it is accepted about half the time on
+    the demo prompts (0.50); a draft that read its inputs in another order would not be (output
+    stays the target's either way, so no identity test sees it)."""
+    from specdec.eagle_draft import load_eagle
+    from specdec.proposers.eagle import EagleProposer
+    ref, _ = _run(demo_model, demo_tok, demo_prompts, None, 0)
+    out, st = _run(demo_model, demo_tok, demo_prompts, EagleProposer(load_eagle("smollm2-eagle", demo_model), 4, 1024), 3)
+    assert out == ref and st.proposed > 50
+    assert st.acceptance_rate > 0.3, st.acceptance_rate
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_demo_greedy_identity_float32(demo_model, demo_tok, demo_prompts, k):
     ref, _ = _run(demo_model, demo_tok, demo_prompts, None, 0)
