@@ -117,3 +117,13 @@ def test_a_corpus_token_equal_to_the_vocab_size_is_refused():
     NgramCorpus([0, 4, -1, 3], vocab_size=5)
     with pytest.raises(ValueError, match="corpus tokens"):
         NgramCorpus([0, 5, -1, 3], vocab_size=5)
+
+
+def test_the_corpus_continues_a_prompt_lookup_draft_from_its_end():
+    """A lookup draft that ends short is continued by the corpus after the draft's own last
+    tokens (the sequence as it will read), not after the sequence's."""
+    from specdec.target_worker import lookup_draft
+    answers = [[3, 1, 2, 3, 1, 2, 7], [1, 2, 3, 1, 2, 8], [1, 2, 3, 1, 2, 8]]
+    corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], vocab_size=10, max_n=6)
+    assert corpus.draft([1, 2, 3, 1, 2], 1) == [8]  # after the sequence itself: 8
+    assert lookup_draft([1, 2, 3, 1, 2], 5, corpus) == [3, 1, 2, 7]  # after "... 3 1 2" + draft "3 1 2": 7
