@@ -629,7 +629,7 @@ class Batcher:
             except asyncio.TimeoutError:
                 why = f"no Target replica answered within {HEALTH_TIMEOUT_S:g} s"
             except Exception as e:  # noqa: BLE001 - reported, not raised
-                why = f"Target: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                why = f"Target: {_short(e)}"  # (unwraps a replica's error from Ray's traceback text)
             self._health = (time.monotonic(), why)
         return self._health[1]
 
