@@ -236,7 +236,7 @@ def test_dockerignore_excludes_venv_and_junk():
 
 
 def test_dockerignore_keeps_what_the_image_needs():
-    for path in ("pyproject.toml", "README.md", "docker/constraints.txt", "specdec/engine.py",
+    for path in ("pyproject.toml", "README.md", "docker/constraints.txt", "docker/drain-node.sh", "specdec/engine.py",
                  "specdec_tools/distill/cli.py", "specdec_tools/bench.py",
                  "deployments/target.py", "serve_app/builder.py", "drafts/tiny/model.safetensors",
                  "specdec/drafts/smollm2-eagle/model.safetensors", "specdec/drafts/smollm2-eagle/specdec.json",

@@ -684,3 +684,18 @@ def test_an_upgrade_keeps_the_old_cluster_while_its_streams_drain(name, rs):
     """The old cluster outlives its traffic by as long as a stopped Router replica drains."""
     from serve_app import constants
     assert rs["spec"].get("rayClusterDeletionDelaySeconds", 60) >= constants.ROUTER_DRAIN_S
+
+
+@pytest.mark.parametrize("name,rs", RAYSERVICES, ids=RS_IDS)
+def test_terminated_worker_pods_drain_their_node_before_ray_stops(name, rs):
+    """A worker pod that Kubernetes terminates (node drain, preemption, scale-in) drains its Ray node
+    first (docker/drain-node.sh: Serve moves the replicas and lets their streams finish), within a
+    deadline that covers a Router's drain and that the pod's grace period outlives."""
+    from serve_app import constants
+    workers = [(gname, g["template"]["spec"], c) for gname, g, is_head, c in _containers(rs) if not is_head]
+    assert workers
+    for gname, pod, c in workers:
+        cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[:2] == ["/bin/sh", "/app/docker/drain-node.sh"], f"{gname}: {cmd}"
+        assert (ROOT / cmd[1].removeprefix("/app/")).is_file()  # the image is the repository at /app
+        assert constants.ROUTER_DRAIN_S < int(cmd[2]) < pod.get("terminationGracePeriodSeconds", 30), gname
