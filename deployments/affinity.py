@@ -7,7 +7,11 @@ lane, or the replica is gone) makes a power-of-two choice (two random replicas, 
 wins) among the replicas that other lanes do not use yet (`avoid=`), so lanes spread out and a
 replica just added by scale-out gets the next lane; a pinned Draft call that shares its replica
 with other lanes moves to such a replica (Draft replicas hold state for every lane, so a lane would
-otherwise stay where it is as long as it has work, and a new replica would sit idle). A replica that receives sequences it
+otherwise stay where it is as long as it has work, and a new replica would sit idle). A pinned call
+that gives `room=<rows>` (a lane whose Target replica refused some rows a slot) moves to another
+replica outside `avoid` whose routing stats report at least that many free slots (the roomiest),
+else stays: so a lane starved on a replica that other routers' lanes fill uses an idle one, and
+never trades a full replica for another full one. A replica that receives sequences it
 does not hold reports them unknown and the router resends their context (re-prefill), so replica
 loss costs a prefill, never a request.
 
@@ -31,6 +35,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 
 AVOID_GRACE_S = 1.0  # how long an unpinned call waits for a replica no other lane uses
+ROUTING_STATS_PERIOD_S = 2.0  # how often Serve asks a Target replica for its free slots (`room` moves)
 
 
 class AffinityRequestRouter(RequestRouter):
@@ -51,8 +56,11 @@ class AffinityRequestRouter(RequestRouter):
                 if r.replica_id.unique_id == pin:
                     # a pin that other lanes share, given with `avoid` (Draft calls: a Draft replica
                     # holds every lane's state, so lanes never leave one on their own), moves to a
-                    # replica no lane uses (one scale-out just added), else stays
-                    return [random.sample(fresh, min(2, len(fresh))), [r]] if pin in avoid and fresh else [[r]]
+                    # replica no lane uses (one scale-out just added); a lane short of slots, to one
+                    # with room for it; else it stays
+                    if pin in avoid and fresh:
+                        return [random.sample(fresh, min(2, len(fresh))), [r]]
+                    return [_roomiest(fresh, r, kwargs.get("room")), [r]]
         used = [r for r in candidate_replicas if r.replica_id.unique_id in avoid]
         ranks = [random.sample(pool, min(2, len(pool))) for pool in (fresh, used) if pool]  # the shorter queue of each
         waited = pending_request is not None and time.time() - pending_request.created_at > AVOID_GRACE_S
@@ -70,6 +78,12 @@ class AffinityRequestRouter(RequestRouter):
         pr.future.set_result(replica)
         self._remove_pending_request_from_indices(pr)
         self._pending_requests_to_fulfill.remove(pr)
+
+
+def _roomiest(replicas: list[RunningReplica], pin: RunningReplica, room: int | None) -> list[RunningReplica]:
+    """Up to two replicas other than `pin` reporting at least `room` free KV slots, the roomiest first."""
+    free = lambda r: (r.routing_stats or {}).get("free_slots", 0)  # noqa: E731 - (Target's record_routing_stats)
+    return sorted((r for r in replicas if r is not pin and room and free(r) >= room), key=free, reverse=True)[:2]
 
 
 REQUEST_ROUTER_PATH = f"{__name__}:AffinityRequestRouter"

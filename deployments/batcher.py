@@ -11,7 +11,9 @@ that hold its KV caches, see deployments/affinity.py). Each lane loops over the 
 
 and sequences join and leave between rounds. A new lane opens when every lane is full (its first
 call goes unpinned, so it lands on the least-loaded replica: scale-out is used), and a lane whose
-target replica has no slot for some of its rows, beside other lanes, moves to a replica no lane uses. Lanes run in a
+target replica has no slot for some of its rows moves to a replica no lane uses: any, when other lanes share
+its replica, else one that reports free slots for all its rows (`room`; at most once per MOVE_COOLDOWN_S,
+as those reports lag). Lanes run in a
 context of their own: they outlive the request that opened them, so their calls are not Serve
 child requests of it (which Serve cancels when that client disconnects).
 
@@ -61,6 +63,7 @@ from specdec.stats import RoundProfile, SpecStats
 log = logging.getLogger("ray.serve")
 MAX_PENDING_RELEASES = 1024  # finished ids a lane keeps for its next draft call before sending them alone
 SUSPECT_S = 60.0  # how long new calls avoid a replica a call timed out on
+MOVE_COOLDOWN_S = 10.0  # a lane short of slots moves to a replica reporting room at most this often
 HEALTH_TIMEOUT_S = 5.0  # how long a health probe waits for a Target replica to answer
 HEALTH_CACHE_S = 2.0  # a probe's answer serves the health checks of this long (probes add no load)
 
@@ -152,6 +155,7 @@ class Lane:
     pending_draft_release: list[int] = field(default_factory=list)
     task: asyncio.Task | None = None
     starved: bool = False  # its target refused some rows a slot in the last round (they wait in line there)
+    moved_at: float = 0.0  # when it last moved to a replica that reported room for it (time.monotonic)
 
     @property
     def load(self) -> int:
@@ -478,12 +482,20 @@ class Batcher:
         now = time.monotonic()
         used += [r for r, until in self.suspects.items() if until > now]
         pin = getattr(lane, attr)
-        # a pinned call that gives `avoid` moves to a replica no lane uses, if there is one (affinity.py):
-        # a Draft call whose replica other lanes share, a Target call whose replica has no slot for
-        # some of its rows and other lanes (so a replica that scale-out adds is used: lanes that stayed
-        # on a full one kept it full while it sat idle)
-        moves = pin in used and (attr == "draft_pin" or lane.starved)
-        return used if not pin or moves else []
+        # a pinned call that gives its pin in `avoid` moves to a replica no lane uses, if there is one
+        # (affinity.py): a Draft call whose replica other lanes share, a Target call whose replica has
+        # no slot for some of its rows and other lanes (so a replica that scale-out adds is used: lanes
+        # that stayed on a full one kept it full while it sat idle). A Target call short of slots on a
+        # replica of its own may move to one of the others that reports room for it (`_room_wanted`).
+        moves = pin in used and attr == "draft_pin"
+        return used if not pin or moves or (attr == "target_pin" and lane.starved) else []
+
+    def _room_wanted(self, lane: Lane) -> int | None:
+        """For a lane whose Target replica refused some rows a slot: its rows, which it takes to a replica
+        that reports that many free slots (affinity.py); None while it moved within MOVE_COOLDOWN_S."""
+        if lane.starved and lane.target_pin and time.monotonic() - lane.moved_at > MOVE_COOLDOWN_S:
+            return lane.load
+        return None
 
     def _suspect(self, rid: str | None) -> None:
         """A call timed out on replica `rid` (it may be hung), or it runs another build: new calls
@@ -550,11 +562,13 @@ class Batcher:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release, tb.build = release, self.cfg.target_build
             try:
-                avoid = self._avoid(lane, "target_pin")
-                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin, avoid=avoid),
+                avoid, room = self._avoid(lane, "target_pin"), self._room_wanted(lane)
+                rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin, avoid=avoid,
+                                                                            room=room),
                                                   timeout=max(0.1, deadline - time.monotonic()))
-                if lane.target_pin in avoid and rid != lane.target_pin:  # rebalanced: the old replica frees its rows
-                    self._release_later(self.target, lane.target_pin, _held(lane) + release)  # (and the new reports them unknown)
+                if (lane.target_pin in avoid or room) and rid != lane.target_pin:  # rebalanced: the old replica
+                    self._release_later(self.target, lane.target_pin, _held(lane) + release)  # frees its rows
+                    lane.moved_at = time.monotonic()  # (and the new one reports them unknown)
                 lane.target_pin = rid
                 self.rounds_by_target[rid] = self.rounds_by_target.get(rid, 0) + 1
                 return out

@@ -266,8 +266,8 @@ class TargetDeployment:
         return self.id
 
     async def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None,
-                     avoid: list[str] | None = None) -> tuple[str, VerifyOutput]:
-        """One round for a batch; `pin`/`avoid` are read by the affinity request router only."""
+                     avoid: list[str] | None = None, room: int | None = None) -> tuple[str, VerifyOutput]:
+        """One round for a batch; `pin`/`avoid`/`room` are read by the affinity request router only."""
         arrived = time.time()
         out = await self.thread.call(self._verify, batch, draft)
         out.served = (arrived, time.time())
@@ -330,6 +330,12 @@ class TargetDeployment:
         self.thread.check_not_stuck(self.cfg.forward_timeout_s)
         if self.workers:
             ray.get([w.ping.remote() for w in self.workers], timeout=10)
+
+    def record_routing_stats(self) -> dict:
+        """For the affinity request router (Serve polls it every ROUTING_STATS_PERIOD_S): KV slots a
+        lane could take here, the free ones less the rows already waiting for one."""
+        table = self.worker.table
+        return {"free_slots": max(0, table.num_free - len(table.waiting))}
 
     def record_autoscaling_stats(self) -> dict:
         return {TARGET_TOKENS_PER_S: self.tokens.tokens_per_s(), TARGET_ACTIVE_SEQUENCES: float(self.worker.table.active()),

@@ -15,7 +15,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from deployments.affinity import REQUEST_ROUTER_PATH
+from deployments.affinity import REQUEST_ROUTER_PATH, ROUTING_STATS_PERIOD_S
 from deployments.draft import DraftDeployment
 from deployments.target import TargetDeployment
 from serve_app import constants
@@ -67,7 +67,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> serve.Application
         ray_actor_options=_actor_options(a, bundles[0]["CPU"], bundles[0].get("GPU", 0)),
         **({"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"} if a.tp > 1 else {}),
         max_ongoing_requests=4 * a.lanes_per_target, health_check_period_s=2, health_check_timeout_s=30,
-        request_router_config=affinity,
+        request_router_config=RequestRouterConfig(request_router_class=REQUEST_ROUTER_PATH,  # (free slots: affinity.py)
+                                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         **_scaling(a, "Target", a.target_replicas, a.max_target_replicas),
     ).bind(a.target_config().model_dump())
     draft = None

@@ -29,7 +29,7 @@ class FakeTarget:
     def options(self, **_):
         return self
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         self.calls += 1
         if self.hang:
             await asyncio.Event().wait()

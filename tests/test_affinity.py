@@ -138,6 +138,31 @@ async def test_a_pinned_call_sharing_its_replica_moves_to_an_unused_one_and_only
     assert await _route({"a": 0.0, "b": 0.0}, ["a"]) == ["a"]
 
 
+
+@pytest.mark.asyncio
+async def test_a_lane_short_of_slots_moves_only_to_a_replica_reporting_room_for_all_its_rows():
+    """`room=<rows>`: the roomiest replicas other than the pin that report that many free slots and
+    are not avoided, else the pin (a full replica is never traded for another full one)."""
+    def replica(name: str, free: int | None) -> FakeReplica:
+        r = FakeReplica(name, 0.0)
+        r.routing_stats = {} if free is None else {"free_slots": free}  # (none reported yet: {})
+        return r
+
+    async def ranks(free: dict[str, int | None], room, avoid=()) -> list[list[str]]:
+        pending = _pending(0, "a", list(avoid))
+        pending.kwargs["room"] = room
+        chosen = await _router([]).choose_replicas([replica(n, f) for n, f in free.items()], pending)
+        return [[r.replica_id.unique_id for r in rank] for rank in chosen if rank]
+
+    assert await ranks({"a": 0, "b": 2, "c": 6}, 4) == [["c"], ["a"]]
+    assert await ranks({"a": 0, "b": 5, "c": 9, "d": 7}, 4) == [["c", "d"], ["a"]]  # the roomiest two
+    assert await ranks({"a": 0, "b": 4}, 4) == [["b"], ["a"]]
+    assert await ranks({"a": 0, "b": 3}, 4) == [["a"]]  # no room for its 4 rows anywhere: stay
+    assert await ranks({"a": 0, "b": 8}, None) == [["a"]]  # not short of slots
+    assert await ranks({"a": 0, "b": 8}, 4, avoid=["b"]) == [["a"]]  # (a suspect, or another lane's)
+    assert await ranks({"a": 0, "b": None}, 4) == [["a"]]
+    assert await _route({"a": 0.0, "b": 0.0}, ["a"], avoid=["a"]) == ["b"]  # (shared: moves as before)
+
 class _RoutedDraft:
     """A Draft handle whose calls the real AffinityRequestRouter places on in-process replicas
     (n-gram proposers; a replica's queue length is its calls in flight)."""

@@ -477,7 +477,7 @@ class _UnavailableOnceTarget(_FakeTarget):
         super().__init__(worker)
         self.failed = False
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         import ray.exceptions
         self.calls += 1
         if batch.release and not self.failed:
@@ -576,7 +576,7 @@ class _TwoReplicaTarget(_TwoReplicas):
         self.fail_after, self.calls, self.failed = fail_after, 0, False
         self.verify, self.release = _Method(self._verify), _Method(self._release)
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         import ray.exceptions
         self.calls += 1
         name = pin or ("b" if self.failed else "a")
@@ -604,7 +604,7 @@ async def test_batcher_frees_the_live_rows_on_a_replica_that_was_unavailable_for
 class _HangOnReleaseTarget(_FakeTarget):
     """A Target whose verify hangs (never reaches the worker) once a call carries releases."""
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         self.calls += 1
         if batch.release:
             await asyncio.Event().wait()
@@ -692,7 +692,7 @@ class _TwoTargets(_TwoReplicas):
         self.calls = {"a": 0, "b": 0}
         self.verify, self.release = _Method(self._verify), _Method(self._release)
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         name = self._route(pin, avoid)
         self.calls[name] += 1
         if name == "a" and self.calls["a"] > 3:
@@ -946,7 +946,7 @@ class _TwoBuilds(_TwoReplicas):
         super().__init__(replicas)
         self.verify, self.release = _Method(self._verify), _Method(self._release)
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         name = pin or next((n for n in "ba" if n in self.replicas and n not in (avoid or ())), "b")
         return await self.replicas[name].verify(batch, draft)
 
@@ -1033,7 +1033,7 @@ class _ScaledOutTarget(_TwoReplicas):
             return fresh[0] if pin in (avoid or ()) and fresh else pin
         return fresh[0] if fresh else next(iter(self.replicas))
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         name = self._route(pin, avoid)
         if name == "b" and self.first_b_call_done is None:
             self.first_b_call_done = self.finished
@@ -1076,6 +1076,120 @@ async def test_a_lane_short_of_slots_moves_to_a_replica_that_scale_out_added(tin
     assert a.table.num_free == b.table.num_free == 6 and not a.table.waiting
 
 
+
+
+class _AffinityRoutedTarget(_TwoReplicas):
+    """Target replicas chosen by the real affinity request router, each reporting its free slots as
+    `TargetDeployment.record_routing_stats` does (of the first choice, the first replica: the roomiest)."""
+
+    def __init__(self, replicas: dict):
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        from deployments.affinity import AffinityRequestRouter
+        super().__init__(replicas)
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
+        self.router = AffinityRequestRouter(deployment_id=DeploymentID(name="Target", app_name="app"),
+                                            handle_source=DeploymentHandleSource.REPLICA)
+        self.calls: list[str] = []
+        self.finished, self.finished_at_first_b = 0, None
+
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
+        from types import SimpleNamespace
+
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        from deployments.target import TargetDeployment
+        replicas = [SimpleNamespace(replica_id=ReplicaID(unique_id=n, deployment_id=DeploymentID(name="Target")),
+                                    routing_stats=TargetDeployment.record_routing_stats(SimpleNamespace(worker=w)))
+                    for n, w in self.replicas.items()]
+        ranks = await self.router.choose_replicas(replicas, SimpleNamespace(
+            kwargs={"pin": pin, "avoid": avoid, "room": room}, routing_context=SimpleNamespace(), created_at=time.time()))
+        name = next(rank for rank in ranks if rank)[0].replica_id.unique_id
+        self.calls.append(name)
+        if name == "b" and self.finished_at_first_b is None:
+            self.finished_at_first_b = self.finished
+        await asyncio.sleep(0.002)  # (the other router's rounds interleave, as over the network)
+        return name, self.replicas[name].verify(batch, draft)
+
+
+@pytest.mark.asyncio
+async def test_a_lane_short_of_slots_alone_in_its_router_moves_to_a_replica_with_room(tiny_dir):
+    """Two routers, one lane each, on a Target replica with slots for 6 of their 8 rows; a second
+    replica joins. The lane whose rows wait moves there, as the replica reports room for all its
+    rows (before, only a lane that shared its replica with lanes of its own router moved, so this one
+    waited on the full replica while the new one sat idle), and its output stays plain decoding's."""
+    import torch
+
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    a, b = (TargetWorker(load_model(tiny_dir, dtype=torch.float32), 6, 256) for _ in "ab")
+    handle = _AffinityRoutedTarget({"a": a})
+    routers = [_batcher(tiny_dir, handle, max_batch_size=4, max_lanes=1, plain_steps=1) for _ in range(2)]
+    prompts = [[5 + i, 9, 14, 3] for i in range(8)]
+
+    async def one(router, p):
+        out = await _generate(router, p, 24)
+        handle.finished += 1
+        return out
+    runs = [asyncio.ensure_future(one(routers[i // 4], p)) for i, p in enumerate(prompts)]
+    for _ in range(200):  # until rows wait for slots on "a"
+        await asyncio.sleep(0.005)
+        if a.table.waiting:
+            break
+    assert a.table.waiting and handle.finished == 0
+    handle.replicas["b"] = b  # scale-out
+    outs = await asyncio.gather(*runs)
+    assert "b" in handle.calls and handle.finished_at_first_b == 0
+    plain = _batcher(tiny_dir, _FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 8, 256)),
+                     max_batch_size=8, max_lanes=1)
+    assert outs == [await _generate(plain, p, 24) for p in prompts]
+    await asyncio.sleep(0.05)  # (the background release to "a")
+    assert a.table.num_free == b.table.num_free == 6 and not a.table.waiting
+
+
+def test_a_target_replica_reports_the_slots_a_new_lane_could_take(tiny_dir):
+    """Free slots less the rows already waiting for one (they get the next free slots)."""
+    from types import SimpleNamespace
+
+    from specdec.runner import CacheFullError
+
+    from deployments.target import TargetDeployment
+    w = _new_worker(tiny_dir, slots=4)
+    stats = lambda: TargetDeployment.record_routing_stats(SimpleNamespace(worker=w))  # noqa: E731
+    assert stats() == {"free_slots": 4}
+    for i in range(4):
+        w.table.allocate(i)
+    for i in (5, 6, 7):
+        with pytest.raises(CacheFullError):
+            w.table.allocate(i)
+    w.table.release(0)
+    w.table.release(1)
+    assert w.table.num_free == 2 and stats() == {"free_slots": 0}
+    w.table.allocate(5)
+    w.table.allocate(6)
+    w.table.release(2)
+    w.table.release(3)
+    assert stats() == {"free_slots": 1}  # (7 still waits)
+
+
+@pytest.mark.asyncio
+async def test_a_lane_short_of_slots_asks_for_room_at_most_once_per_cooldown(tiny_dir):
+    """Routing stats lag (ROUTING_STATS_PERIOD_S): a lane that just moved waits MOVE_COOLDOWN_S before it
+    asks again, so two lanes that chose the same idle replica do not chase each other back and forth."""
+    from deployments.batcher import MOVE_COOLDOWN_S
+    from specdec.sampling import SamplingParams
+    b = _idle_batcher(tiny_dir, max_batch_size=4, max_lanes=1, max_request_share=1.0)
+    b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4)] * 3)
+    [lane] = b.lanes
+    lane.target_pin, lane.starved = "a", True
+    assert b._room_wanted(lane) == 3
+    lane.moved_at = time.monotonic()
+    assert b._room_wanted(lane) is None
+    lane.moved_at -= MOVE_COOLDOWN_S + 0.1
+    assert b._room_wanted(lane) == 3
+    lane.starved = False
+    assert b._room_wanted(lane) is None
+    await _stop_lanes(b)
 
 # ---- admission and clean-up paths a mutation review found untested ------------------------------
 def _idle_batcher(tiny_dir, **cfg):
@@ -1236,7 +1350,7 @@ class _RecordingTarget(_FakeTarget):
         super().__init__(worker)
         self.offsets: list[list[int]] = []
 
-    async def _verify(self, batch, draft, pin=None, avoid=None):
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         self.offsets.append(list(batch.offsets))
         return await super()._verify(batch, draft, pin=pin, avoid=avoid)
 
