@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.common import MaxModelLen, Traced, replica_id
+from deployments.common import MaxModelLen, Traced, replica_id, short_error
 from deployments.target import TargetFault, WrongBuild
 from deployments.tracing import ensure_provider, inject, mark_error, sampled_first, span
 from specdec.loader import load_tokenizer
@@ -102,15 +102,6 @@ class RouterConfig(SchedulingConfig, Traced):
     target_build: str = Field("", description="The Target configuration the rounds are for (TargetConfig.build_key; '' = any): a Target replica of another build refuses them (WrongBuild) and the lane retries elsewhere, so during a redeploy old and new replicas never verify each other's sequences.")
     draft_backoff_s: float = Field(5.0, ge=0, description="After a failed draft call, rounds run without drafts this long.")
     draft_timeout_s: float = Field(10.0, gt=0, description="A draft call slower than this counts as failed (e.g. no draft replica up).")
-
-
-def _short(e: BaseException) -> str:
-    """`Type: first line` of an exception, unwrapping Ray's task errors (whose text is a traceback)."""
-    from ray.exceptions import RayTaskError
-    if isinstance(e, RayTaskError) and e.cause is not None:
-        e = e.cause
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 class RequestFailed(Exception):
@@ -357,7 +348,7 @@ class Batcher:
                 await self._round(lane)
         except Exception as e:  # noqa: BLE001 - fail this lane's sequences, keep the replica
             log.exception("lane failed")
-            self._fail_lane(lane, RequestFailed(f"internal error: {_short(e)}", 500))
+            self._fail_lane(lane, RequestFailed(f"internal error: {short_error(e)}", 500))
         finally:
             if lane.scheduler.has_work:  # cancelled (replica shutting down): no request may hang
                 self._fail_lane(lane, RequestFailed("request cancelled: the server is shutting down", 503))
@@ -592,9 +583,9 @@ class Batcher:
                 if isinstance(wrong := getattr(e, "cause", e), WrongBuild):  # (Serve wraps it: its cause)
                     self._suspect(wrong.replica)  # new calls avoid it while others can serve
                 if time.monotonic() > deadline:
-                    self._fail_lane(lane, RequestFailed(f"target unavailable: {_short(e)}", 503))
+                    self._fail_lane(lane, RequestFailed(f"target unavailable: {short_error(e)}", 503))
                     return None
-                log.warning("target replica lost (%s); re-prefilling the lane elsewhere", _short(e))
+                log.warning("target replica lost (%s); re-prefilling the lane elsewhere", short_error(e))
                 # An unavailable replica may come back: it must still free the finished rows' slots
                 # and those of the rows re-prefilled elsewhere (should the lane land there again,
                 # a row it no longer holds is re-prefilled: `unknown`).
@@ -623,7 +614,7 @@ class Batcher:
                     return
                 except Exception as e:  # noqa: BLE001 - retried until the deadline
                     if time.monotonic() + backoff > deadline:
-                        log.warning("releases for replica %s lost: %s", pin, _short(e))
+                        log.warning("releases for replica %s lost: %s", pin, short_error(e))
                         return
                     await asyncio.sleep(backoff)
                     backoff = min(2.0, backoff * 2)
@@ -643,7 +634,7 @@ class Batcher:
             except asyncio.TimeoutError:
                 why = f"no Target replica answered within {HEALTH_TIMEOUT_S:g} s"
             except Exception as e:  # noqa: BLE001 - reported, not raised
-                why = f"Target: {_short(e)}"  # (unwraps a replica's error from Ray's traceback text)
+                why = f"Target: {short_error(e)}"  # (unwraps a replica's error from Ray's traceback text)
             self._health = (time.monotonic(), why)
         return self._health[1]
 

@@ -92,3 +92,12 @@ def replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not inside a replica
         return ""
+
+
+def short_error(e: BaseException) -> str:
+    """`Type: first line` of an exception, unwrapping Ray's task errors (whose text is a traceback)."""
+    from ray.exceptions import RayTaskError
+    if isinstance(e, RayTaskError) and e.cause is not None:
+        e = e.cause
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

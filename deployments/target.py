@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from deployments.tracing import ensure_provider, flush
-from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads
+from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads, short_error
 from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
                                  LoadMeter)
 from specdec.corpus import NgramCorpus
@@ -289,7 +289,7 @@ class TargetDeployment:
                 out = self.worker.verify(batch, draft)
             except Exception as e:
                 if self.workers and self._group_broken(e):
-                    self.broken = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                    self.broken = short_error(e)
                     log.error("tensor-parallel group broken (%s); failing health checks until replaced", self.broken)
                     raise TargetFault(f"target replica {self.id} is broken: {self.broken}") from None
                 raise
