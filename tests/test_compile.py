@@ -104,3 +104,21 @@ def test_warm_up_covers_every_round_of_the_default_app(tiny_dir, tiny_eagle_dir,
         engine.generate(prompts, params)
     assert engine.stats.rounds > 0 and engine.stats.proposed > 0
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_warm_up_covers_sequences_longer_than_one_key_chunk(compiled_f32):
+    """Steps and a verification across the first key chunk's end compile nothing new: the warm-up
+    covers two-chunk reads (else the first sequence past ATTN_KEYS compiles inside a request's round)."""
+    from torch._dynamo.utils import counters
+
+    from specdec.model import ATTN_KEYS
+    graphs = counters["stats"]["unique_graphs"]
+    ids = [(5 + 7 * i) % 500 for i in range(ATTN_KEYS + 8)]
+    # (the warm-up's shapes only, under inference mode as TargetWorker runs them: steps and a
+    # 5-position verification at positions inside the first key chunk and past it; the cache
+    # contents do not matter for the graphs)
+    with torch.inference_mode():
+        for p in range(ATTN_KEYS - 4, len(ids)):  # one-token steps across the chunk boundary
+            run_ragged(compiled_f32, [[ids[p]]], [0], [p], [1])
+        run_ragged(compiled_f32, [ids[-5:]], [1], [ATTN_KEYS - 4], [5])  # a verification across it
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -382,3 +382,78 @@ def test_an_eagle_checkpoint_missing_a_trained_weight_is_refused(tiny_dir, tiny_
     save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not match"):
         load_eagle(bad, target)
+
+
+def test_finished_sequences_leave_no_feature_buffers(target, prompts):
+    """A released sequence's queued target features go with it: a replica serving for days keeps
+    no buffer per sequence it ever served."""
+    prop = EagleProposer(make_eagle(target), 8, 512)
+    seqs = engine(target, prop, k=3).generate(prompts, greedy(12))
+    assert all(s.finished for s in seqs) and len(prop.table) == 0
+    assert prop.buffers == {}
+
+
+def test_a_reduced_draft_head_holds_the_targets_rows_of_its_tokens(target, tiny_tok, tmp_path):
+    """The draft's head row j is the target's head row of token_map[j] (FR-Spec), fresh and loaded."""
+    ids = torch.tensor([3, 17, 42, 99, 250])
+    draft = EagleDraft.for_target(target, ids)
+    want = target.lm_head.weight.detach()[ids]
+    assert torch.equal(draft.lm_head.weight, want)
+    draft.save(tmp_path / "e", tiny_tok, {}, dtype=torch.float32)
+    assert torch.equal(load_eagle(tmp_path / "e", target).lm_head.weight, want)
+
+
+@pytest.mark.parametrize("layers", [(1,), (5,)])
+def test_an_eagle_draft_fusing_layers_the_target_lacks_is_refused_at_load(target, tiny_tok, tmp_path, layers):
+    """The tiny target has 2 layers: only layer 0 may be fused (the last one is the final feature)."""
+    torch.manual_seed(0)
+    ids = torch.randperm(target.args.vocab_size)[:128].sort().values
+    EagleDraft.for_target(target, ids, feature_layers=layers).save(tmp_path / "e", tiny_tok, {}, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"fuses target layers \[\d\]; the target has 2"):
+        load_eagle(tmp_path / "e", target)
+
+
+def test_a_proposer_and_a_drafter_tapping_different_target_layers_are_refused(target, tiny_eagle_dir):
+    """The target returns one set of tapped layers per forward: a proposer and an in-target drafter
+    that read different ones would get features of the wrong layers."""
+    from specdec.eagle_draft import load_eagle
+    saved = target.feature_layers
+    try:
+        drafter = EagleProposer(make_eagle(target), 8, 512)  # EAGLE-1: the final feature only
+        proposer = EagleProposer(load_eagle(tiny_eagle_dir, target), 8, 512)  # EAGLE-3: layer 0 too
+        assert tuple(drafter.feature_layers) != tuple(proposer.feature_layers)
+        with pytest.raises(ValueError, match="different target layers"):
+            LLMEngine(TargetWorker(target, 8, 512, drafter=drafter), proposer, None,
+                      EngineConfig(max_batch_size=8, num_speculative_tokens=3), eos_token_ids=[])
+    finally:
+        target.feature_layers = saved
+
+
+def test_queued_features_keep_only_the_newest_max_pending():
+    """Rounds that send the proposer nothing (plain rounds) must not queue a feature per token forever."""
+    from specdec.sampling import SamplingParams
+    from specdec.sequence import Sequence
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    s.MAX_PENDING_FEATURES = 4
+    f = torch.arange(12.0).reshape(6, 2)
+    s.add_features(0, f[:3])
+    s.add_features(3, f[3:])  # positions 0..5 queued: the two oldest go
+    start, feats = s.pending_features()
+    assert start == 2 and torch.equal(feats, f[2:]) and s.num_pending_features == 4
+
+
+def test_dropping_sent_features_moves_the_queue_start():
+    """Features sent to the proposer leave the queue with their positions: the next ones keep theirs."""
+    from specdec.sampling import SamplingParams
+    from specdec.sequence import Sequence
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    f = torch.arange(12.0).reshape(6, 2)
+    s.add_features(0, f[:5])
+    s.drop_features(3)  # positions 0..2 went to the proposer
+    start, feats = s.pending_features()
+    assert start == 3 and torch.equal(feats, f[3:5])
+    s.drop_features(2)  # the rest went too
+    assert s.pending_features() is None and s.num_pending_features == 0
+    s.add_features(5, f[5:])  # the next round's features continue the queue
+    start, feats = s.pending_features()
+    assert start == 5 and torch.equal(feats, f[5:])

@@ -348,3 +348,23 @@ def test_a_draft_whose_vocabulary_maps_other_ids_is_refused_even_at_the_same_siz
     check_same_vocab(Tok({"a": 0, "b": 1}), Tok({"a": 0, "b": 1}))
     with pytest.raises(ModelLoadError, match="vocabulary differs"):
         check_same_vocab(Tok({"a": 0, "b": 1}), Tok({"a": 1, "b": 0}))
+
+
+def test_aborting_a_running_request_frees_its_slots_at_once(tiny):
+    """`LLMEngine.abort` frees the row's target and draft slots at once (not at idle eviction), and
+    the other row's output stays plain decoding's."""
+    target, draft, tok = tiny
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    ref = outputs(make_engine(target, "none", batch=2), prompts[1:2], greedy(16))
+    eng = make_engine(target, "draft", draft, batch=2)
+    gone, kept = eng.add_request(prompts[0], greedy(16)), eng.add_request(prompts[1], greedy(16))
+    eng.step()
+    eng.step()
+    assert gone.seq_id in eng.target.table and gone.seq_id in eng.proposer.table
+    eng.abort(gone.seq_id)
+    assert gone.finish_reason == "abort"
+    assert gone.seq_id not in eng.target.table and gone.seq_id not in eng.proposer.table
+    while eng.scheduler.has_work:
+        eng.step()
+    assert kept.output_ids == ref[0]
+    assert len(eng.target.table) == 0 and len(eng.proposer.table) == 0

@@ -394,3 +394,34 @@ def test_a_slot_taken_back_from_an_idle_sequence_tells_its_owner():
     st = t.sync(2, 0, [3])
     assert st is not None and 1 not in t and evicted == [1]
     assert t.evicted == 1
+
+
+def test_a_directory_of_several_ggufs_asks_which(tmp_path):
+    """A directory with one GGUF per quantization: the user names one, none is picked silently."""
+    for name in ("model-q4_k_m.gguf", "model-q8_0.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"several \.gguf files .*name one"):
+        resolve(tmp_path)
+    assert resolve(tmp_path / "model-q8_0.gguf").gguf_file == "model-q8_0.gguf"  # naming one loads it
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "model.pt"])
+def test_a_file_that_is_not_a_gguf_is_refused_by_name(tmp_path, name):
+    """A checkpoint's file passed instead of its directory is refused clearly, not read as a GGUF."""
+    (tmp_path / name).write_bytes(b"{}")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        resolve(tmp_path / name)
+
+
+def test_aligned_key_reads_span_at_least_two_chunks():
+    """Chunk-aligned key reads (compiled targets) span at least two chunks, the extra keys masked, so
+    a short sequence runs the graph the warm-up compiled."""
+    from specdec.model import ATTN_KEYS, BatchIndex
+    one = torch.zeros(1, dtype=torch.long)
+    for start, T in [(0, 1), (3, 5), (ATTN_KEYS - 2, 1)]:  # fits in one chunk: still reads two
+        rows = BatchIndex.build(one, torch.tensor([start]), T, exact=True, align=ATTN_KEYS)
+        assert rows.kv_len == 2 * ATTN_KEYS and rows.mask.shape[-1] == 2 * ATTN_KEYS
+        assert not rows.mask[..., start + T:].any()  # the extra keys are masked
+    rows = BatchIndex.build(one, torch.tensor([2 * ATTN_KEYS]), 4, exact=True, align=ATTN_KEYS)
+    assert rows.kv_len == 3 * ATTN_KEYS  # longer reads round up to whole chunks
+    assert BatchIndex.build(one, torch.tensor([3]), 5).kv_len == 8  # unaligned: exactly start + T
