@@ -244,7 +244,7 @@ def start_local(args: dict, port: int = 8765) -> str:
     import ray
     from ray import serve
     from serve_app import build_app
-    ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)  # (its own)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}"

@@ -69,7 +69,8 @@ def ray_cluster():
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")  # faster scaling tests
     import ray
     from ray import serve
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    # address="local": a cluster of its own, never one a developer started (`ray start`, RAY_ADDRESS)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
     yield f"http://127.0.0.1:{SERVE_PORT}"
