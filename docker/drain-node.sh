@@ -15,8 +15,12 @@
 # SPECDEC_DRAIN_PROCESSES: what "Serve still works here" means, an extended regex matched against
 # /proc/PID/cmdline (Ray sets the process title of an actor's worker to `ray::<actor class>`).
 # SPECDEC_DRAIN_POLL_S: seconds between checks.
+# SPECDEC_DRAIN_LOG: where the hook writes what it does (a preStop hook's own output is dropped);
+# default the container's log, the stdout of its PID 1.
 set -u
 deadline_s=${1:?usage: drain-node.sh DEADLINE_S}
+log=${SPECDEC_DRAIN_LOG:-/proc/1/fd/1}
+if (: >>"$log") 2>/dev/null; then exec >>"$log" 2>&1; fi
 pattern=${SPECDEC_DRAIN_PROCESSES:-'^ray::(ServeReplica|ProxyActor)'}
 poll_s=${SPECDEC_DRAIN_POLL_S:-2}
 end=$(( $(date +%s) + deadline_s ))
@@ -31,6 +35,7 @@ if ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION \
     while serve_still_works && [ "$(date +%s)" -lt "$end" ]; do
         sleep "$poll_s"
     done
+    if serve_still_works; then echo "drain-node: deadline reached; stopping Ray"; else echo "drain-node: Serve left the node; stopping Ray"; fi
 else
     echo "drain-node: the drain request failed; stopping Ray now" >&2
 fi

@@ -41,7 +41,7 @@ def _serve_process(title: str, seconds: float) -> subprocess.Popen:
 def _run_hook(fake_ray, deadline_s: int, pattern: str, drain_rc: int = 0) -> float:
     bin_dir, _ = fake_ray
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SPECDEC_DRAIN_PROCESSES": pattern,
-           "SPECDEC_DRAIN_POLL_S": "0.2", "DRAIN_RC": str(drain_rc)}
+           "SPECDEC_DRAIN_POLL_S": "0.2", "DRAIN_RC": str(drain_rc), "SPECDEC_DRAIN_LOG": str(bin_dir.parent / "hook.log")}
     t0 = time.time()
     subprocess.run(["/bin/sh", str(SCRIPT), str(deadline_s)], env=env, check=True, timeout=60,
                    capture_output=True)
@@ -57,6 +57,7 @@ def test_the_hook_drains_the_node_and_stops_ray_only_after_serve_left_it(fake_ra
                              "pod", "terminating", "(preStop", "hook)", "--deadline-remaining-seconds", "30"]
     assert stop == "stop"
     assert replica.poll() is not None and t_stop - t0 >= 1.8  # the replica's 2 s, not the deadline's 30
+    assert "Serve left the node" in (fake_ray[1].parent / "hook.log").read_text()  # (the container's log)
 
 
 def test_the_deadline_bounds_the_wait(fake_ray):
@@ -65,7 +66,8 @@ def test_the_deadline_bounds_the_wait(fake_ray):
     try:
         t0 = _run_hook(fake_ray, 2, f"^ray::(ServeReplica|ProxyActor):{tag}")
         (_, _), (t_stop, stop) = _calls(fake_ray[1])
-        assert stop == "stop" and 0.9 <= t_stop - t0 < 30  # (whole seconds) and replica.poll() is None
+        assert stop == "stop" and 0.9 <= t_stop - t0 < 30 and replica.poll() is None  # (whole seconds)
+        assert "deadline reached" in (fake_ray[1].parent / "hook.log").read_text()
     finally:
         replica.kill()
 
