@@ -62,7 +62,7 @@ class Recorder(EagleProposer):
 
     def __init__(self, *a, twice: bool = False, **kw):
         super().__init__(*a, **kw)
-        self.seen = []  # (seq_id, n tokens, draft tokens, first step's predicted feature [hidden])
+        self.seen = []  # (seq_id, n tokens, draft tokens, first step's predicted feature [hidden], context start)
         self._first: dict[int, torch.Tensor] = {}
         self.twice = twice  # every call applied twice (a reply lost after the replica applied it)
 
@@ -79,7 +79,8 @@ class Recorder(EagleProposer):
         for i, sid in enumerate(batch.seq_ids):
             if out.num_draft[i] > 0:
                 n = len(self.table[sid].tokens) - out.num_draft[i] + 1
-                self.seen.append((sid, n, out.tokens[i, : out.num_draft[i]].tolist(), self._first[sid]))
+                self.seen.append((sid, n, out.tokens[i, : out.num_draft[i]].tolist(), self._first[sid],
+                                  self.buffers[sid].base))
         return out
 
 
@@ -108,24 +109,60 @@ def test_eagle_cache_matches_a_full_recompute(which, twice, prompts, request):
     rec = Recorder(draft, 8, 512, twice=twice)
     eng = engine(target, rec, k=3)
     seqs = eng.generate(prompts, greedy(32))
+    assert _check_against_a_recompute(target, draft, rec.seen, seqs) >= 10
+    if which == "two_token_target":  # (rounds that accepted drafts: entries past the first position)
+        assert eng.stats.accepted >= eng.stats.proposed / 8, (eng.stats.accepted, eng.stats.proposed)
+
+
+def _check_against_a_recompute(target, draft, seen, seqs) -> int:
+    """Each recorded round's first two drafts and first predicted feature against a cache-free pass
+    of the draft over the target's true features of the row's context (from where the draft's
+    context starts: its cache index 0); returns how many rounds it checked."""
     by_id = {s.seq_id: s for s in seqs}
-    checked = 0
     with torch.inference_mode():
-        for sid, n, drafts, g0 in rec.seen:
+        for sid, n, drafts, g0, base in seen:
             x = torch.tensor(by_id[sid].tokens)[None]  # [1, L]
             target.setup_cache(1, x.shape[1] + 8)
             f = target.hidden_states(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-            g, _ = draft.forward_train(f[:, : n - 1], x[:, 1:n])  # [1, n-1, hidden]; g[n-2] drafts x_n
+            f, x = f[:, base:], x[:, base:]
+            m = n - base
+            g, _ = draft.forward_train(f[:, : m - 1], x[:, 1:m])  # [1, m-1, hidden]; g[m-2] drafts x_n
             assert int(draft.lm_head(g[0, -1]).argmax()) == drafts[0]
             torch.testing.assert_close(g0, g[0, -1], atol=1e-4, rtol=1e-4)
             if len(drafts) > 1:  # step 2 reads (g_{n-2}, d_1) at position n-1
-                g2, _ = draft.forward_train(torch.cat([f[:, : n - 1], g[:, -1:]], 1),
-                                            torch.cat([x[:, 1:n], torch.tensor([[drafts[0]]])], 1))
+                g2, _ = draft.forward_train(torch.cat([f[:, : m - 1], g[:, -1:]], 1),
+                                            torch.cat([x[:, 1:m], torch.tensor([[drafts[0]]])], 1))
                 assert int(draft.lm_head(g2[0, -1]).argmax()) == drafts[1]
-            checked += 1
-    assert checked >= 10
-    if which == "two_token_target":  # (rounds that accepted drafts: entries past the first position)
-        assert eng.stats.accepted >= eng.stats.proposed / 8, (eng.stats.accepted, eng.stats.proposed)
+    return len(seen)
+
+
+def test_after_a_gap_in_its_features_the_draft_restarts_its_context_there(two_token_target, prompts, monkeypatch):
+    """Rows that ran more plain rounds than their feature queue holds (speculation off for a while:
+    the adaptive policy, a draft replica down) come back with the oldest features dropped: the draft
+    starts its context afresh at the first feature it gets, and predicts as a cache-free pass from
+    there does."""
+    from dataclasses import replace
+
+    from specdec.sequence import Sequence
+    monkeypatch.setattr(Sequence, "MAX_PENDING_FEATURES", 4)
+    target = two_token_target
+    draft = make_eagle(target, vocab=target.args.vocab_size)
+    rec = Recorder(draft, 8, 512)
+    eng = engine(target, rec, k=3)
+    seqs = [eng.add_request(p, greedy(48)) for p in prompts]
+    for _ in range(3):
+        eng.step()
+    cfg = eng.scheduler.cfg
+    eng.scheduler.set_config(replace(cfg, speculate=False))  # plain rounds: features queue up
+    for _ in range(8):
+        eng.step()
+    eng.scheduler.set_config(cfg)
+    before = len(rec.seen)
+    while eng.scheduler.has_work:
+        eng.step()
+    after = rec.seen[before:]
+    assert after and all(base > 0 for *_, base in after)  # (the gap: a context of its own)
+    assert _check_against_a_recompute(target, draft, after, seqs) >= 10
 
 
 def test_second_pass_with_context_is_the_second_draft_step(target):
