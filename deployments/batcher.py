@@ -478,15 +478,24 @@ class Batcher:
         # no slot for some of its rows and other lanes (so a replica that scale-out adds is used: lanes
         # that stayed on a full one kept it full while it sat idle). A Target call short of slots on a
         # replica of its own may move to one of the others that reports room for it (`_room_wanted`).
-        moves = pin in used and attr == "draft_pin"
-        return used if not pin or moves or (attr == "target_pin" and lane.starved) else []
+        # Either Target move at most once per MOVE_COOLDOWN_S (`_may_move`).
+        if not pin:
+            return used
+        if attr == "draft_pin":
+            return used if pin in used else []
+        return used if self._may_move(lane) else []
+
+    @staticmethod
+    def _may_move(lane: Lane) -> bool:
+        """A lane whose Target replica refused some rows a slot, and that did not move within
+        MOVE_COOLDOWN_S (routing stats lag: lanes that chose the same replica must not chase each
+        other back and forth)."""
+        return lane.starved and time.monotonic() - lane.moved_at > MOVE_COOLDOWN_S
 
     def _room_wanted(self, lane: Lane) -> int | None:
-        """For a lane whose Target replica refused some rows a slot: its rows, which it takes to a replica
-        that reports that many free slots (affinity.py); None while it moved within MOVE_COOLDOWN_S."""
-        if lane.starved and lane.target_pin and time.monotonic() - lane.moved_at > MOVE_COOLDOWN_S:
-            return lane.load
-        return None
+        """For a lane that may move (`_may_move`): its rows, which it takes to a replica that reports
+        that many free slots (affinity.py)."""
+        return lane.load if lane.target_pin and self._may_move(lane) else None
 
     def _suspect(self, rid: str | None) -> None:
         """A call timed out on replica `rid` (it may be hung), or it runs another build: new calls
@@ -568,8 +577,10 @@ class Batcher:
                 # to Serve, until forward_timeout_s): new calls avoid it while others can serve.
                 # (A slow forward and a hung one look alike before then: the lane's rows fail
                 # rather than move.) The lane leaves it, so the queued requests it takes next start
-                # elsewhere; the replica frees the rows it held in the background.
-                self._suspect(lane.target_pin)
+                # elsewhere; the replica frees the rows it held in the background. (A call that
+                # could move may have hung elsewhere: no replica is blamed then.)
+                if not (room or lane.target_pin in avoid):
+                    self._suspect(lane.target_pin)
                 held = release + (_held(lane) if lane.target_pin else [])  # (the call may never have run there)
                 if held:
                     self._release_later(self.target, lane.target_pin, held)

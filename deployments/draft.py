@@ -85,6 +85,11 @@ class DraftDeployment:
         return out
 
     async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        """Free the sequences' state. A release meant for another replica (`pin`: one that is gone, so
+        the request router sent it here) frees nothing: these ids may be rows this replica has just
+        taken over."""
+        if pin is not None and pin != self.id:
+            return
         await self.thread.call(self.proposer.release, seq_ids)
 
     def check_health(self) -> None:

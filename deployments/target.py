@@ -299,6 +299,11 @@ class TargetDeployment:
         return out
 
     async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        """Free the sequences' state. A release meant for another replica (`pin`: one that is gone, so
+        the request router sent it here) frees nothing: these ids may be rows this replica has just
+        taken over."""
+        if pin is not None and pin != self.id:
+            return
         await self.thread.call(self.worker.release, seq_ids)
 
     def stats(self) -> dict:
@@ -334,8 +339,7 @@ class TargetDeployment:
     def record_routing_stats(self) -> dict:
         """For the affinity request router (Serve polls it every ROUTING_STATS_PERIOD_S): KV slots a
         lane could take here, the free ones less the rows already waiting for one."""
-        table = self.worker.table
-        return {"free_slots": max(0, table.num_free - len(table.waiting))}
+        return {"free_slots": self.worker.table.room()}
 
     def record_autoscaling_stats(self) -> dict:
         return {TARGET_TOKENS_PER_S: self.tokens.tokens_per_s(), TARGET_ACTIVE_SEQUENCES: float(self.worker.table.active()),

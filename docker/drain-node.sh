@@ -10,7 +10,10 @@
 # round (the lanes re-prefill on the new one), and the node's proxy drains its connections. Serve
 # stops a replica whose replacement has not started by DEADLINE_S minus its graceful timeout.
 # This script waits until no Serve process is left on the node, or DEADLINE_S, then stops Ray.
-# If the drain request fails (GCS unreachable), it stops Ray at once, as before.
+# If the drain request fails (no cluster found, GCS unreachable: `--address auto` never starts a
+# Ray instance of its own to drain), it stops Ray at once, as before. When the whole cluster goes
+# (an upgrade deletes the old one, head included), the node's raylet exits once the GCS is gone,
+# its replicas with it, and the wait ends then.
 #
 # SPECDEC_DRAIN_PROCESSES: what "Serve still works here" means, an extended regex matched against
 # /proc/PID/cmdline (Ray sets the process title of an actor's worker to `ray::<actor class>`).
@@ -23,14 +26,14 @@ log=${SPECDEC_DRAIN_LOG:-/proc/1/fd/1}
 if (: >>"$log") 2>/dev/null; then exec >>"$log" 2>&1; fi
 pattern=${SPECDEC_DRAIN_PROCESSES:-'^ray::(ServeReplica|ProxyActor)'}
 poll_s=${SPECDEC_DRAIN_POLL_S:-2}
-end=$(( $(date +%s) + deadline_s ))
 
 serve_still_works() {
     grep -q -s -a -E "$pattern" /proc/[0-9]*/cmdline
 }
 
-if ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION \
+if timeout 60 ray drain-node --address auto --reason DRAIN_NODE_REASON_PREEMPTION \
         --reason-message "pod terminating (preStop hook)" --deadline-remaining-seconds "$deadline_s"; then
+    end=$(( $(date +%s) + deadline_s ))  # (after the call: the GCS counts from its arrival)
     echo "drain-node: node draining; waiting up to ${deadline_s}s for Serve to move its replicas"
     while serve_still_works && [ "$(date +%s)" -lt "$end" ]; do
         sleep "$poll_s"

@@ -94,6 +94,13 @@ class SlotTable:
             ahead += 1
         return ahead
 
+    def room(self) -> int:
+        """Slots a newcomer could take now: the free ones less those that waiters still in line
+        will get (read-only: another thread may be allocating)."""
+        now = time.monotonic()
+        waiting = sum(1 for t in list(self.waiting.values()) if now - t < WAITER_FORGET_S)
+        return max(0, len(self.free) - waiting)
+
     def release(self, seq_id: int) -> None:
         self.waiting.pop(seq_id, None)  # (finished, or its client left, while it waited)
         st = self.seqs.pop(seq_id, None)

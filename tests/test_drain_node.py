@@ -53,8 +53,9 @@ def test_the_hook_drains_the_node_and_stops_ray_only_after_serve_left_it(fake_ra
     replica = _serve_process(f"ray::ServeReplica:{tag}:Router", 2)
     t0 = _run_hook(fake_ray, 30, f"^ray::(ServeReplica|ProxyActor):{tag}")
     (t_drain, drain), (t_stop, stop) = _calls(fake_ray[1])
-    assert drain.split() == ["drain-node", "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
-                             "pod", "terminating", "(preStop", "hook)", "--deadline-remaining-seconds", "30"]
+    assert drain.split() == ["drain-node", "--address", "auto", "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                             "--reason-message", "pod", "terminating", "(preStop", "hook)",
+                             "--deadline-remaining-seconds", "30"]  # (`auto`: this node's cluster, never a new one)
     assert stop == "stop"
     assert replica.poll() is not None and t_stop - t0 >= 1.8  # the replica's 2 s, not the deadline's 30
     assert "Serve left the node" in (fake_ray[1].parent / "hook.log").read_text()  # (the container's log)

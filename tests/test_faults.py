@@ -1170,6 +1170,84 @@ def test_a_target_replica_reports_the_slots_a_new_lane_could_take(tiny_dir):
     w.table.release(2)
     w.table.release(3)
     assert stats() == {"free_slots": 1}  # (7 still waits)
+    from specdec.runner import WAITER_FORGET_S
+    w.table.waiting[7] -= WAITER_FORGET_S + 1  # its router moved on long ago (no allocation pruned it since)
+    assert stats() == {"free_slots": 2}
+
+
+@pytest.mark.asyncio
+async def test_a_release_meant_for_a_gone_replica_frees_nothing_where_it_lands(tiny_dir):
+    """The request router sends a call pinned to a replica that is gone to another one: a release
+    there must not free rows that replica has just taken over (the lane that moved re-prefilled them)."""
+    from types import SimpleNamespace
+
+    from deployments.draft import DraftDeployment
+    from deployments.target import TargetDeployment
+
+    async def call(fn, *args):
+        return fn(*args)
+    w = _new_worker(tiny_dir, slots=4)
+    w.table.allocate(1)
+    freed: list[int] = []
+    target = SimpleNamespace(id="b", worker=w, thread=SimpleNamespace(call=call))
+    draft = SimpleNamespace(id="b", proposer=SimpleNamespace(release=freed.extend), thread=SimpleNamespace(call=call))
+    await TargetDeployment.release(target, [1], pin="a")
+    await DraftDeployment.release(draft, [1], pin="a")
+    assert 1 in w.table and freed == []
+    await TargetDeployment.release(target, [1], pin="b")
+    await DraftDeployment.release(draft, [1], pin=None)  # (unpinned: any replica frees finished ids)
+    assert 1 not in w.table and freed == [1]
+
+
+@pytest.mark.asyncio
+async def test_a_lane_that_moved_moves_again_by_no_rule_within_the_cooldown(tiny_dir):
+    """Also the move off a replica that other lanes of its router share waits MOVE_COOLDOWN_S after
+    a move: two lanes that chose the same replica by its stale stats must not bounce between two."""
+    from deployments.batcher import MOVE_COOLDOWN_S
+    from specdec.sampling import SamplingParams
+    b = _idle_batcher(tiny_dir, max_batch_size=2, max_lanes=2, max_request_share=1.0)
+    b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4)] * 4)
+    first, second = b.lanes
+    for lane in b.lanes:
+        lane.target_pin, lane.starved = "a", True
+    assert "a" in b._avoid(first, "target_pin")  # shared and short of slots: moves to a free replica
+    first.moved_at = time.monotonic()
+    assert b._avoid(first, "target_pin") == [] and b._room_wanted(first) is None
+    first.moved_at -= MOVE_COOLDOWN_S + 0.1
+    assert "a" in b._avoid(first, "target_pin")
+    await _stop_lanes(b)
+
+
+class _StarvesThenHangs(_TwoReplicas):
+    """Replica "a" answers the first verify (with slots for only some rows), then never again."""
+
+    def __init__(self, worker):
+        super().__init__({"a": worker})
+        self.verify, self.release = _Method(self._verify), _Method(self._release)
+        self.calls = 0
+
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
+        self.calls += 1
+        if self.calls > 1:
+            await asyncio.sleep(3600)
+        return "a", self.replicas["a"].verify(batch, draft)
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_could_move_and_timed_out_blames_no_replica(tiny_dir):
+    """A starved lane's call may have gone to another replica (`room`): when it times out, the
+    replica it was pinned to is not avoided for SUSPECT_S (it may be the healthy one)."""
+    handle = _StarvesThenHangs(_new_worker(tiny_dir, slots=2))
+    batcher = _batcher(tiny_dir, handle, max_batch_size=4, max_lanes=1, max_request_share=1.0,
+                       retry_deadline_s=0.5, plain_steps=1)
+    from deployments.batcher import RequestFailed
+    from specdec.sampling import SamplingParams
+    seqs = batcher.submit([[5, 6, 7, 8]], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 4)
+    for s in seqs:
+        with pytest.raises(RequestFailed, match="no replica answered"):
+            while True:
+                await asyncio.wait_for(batcher.wait(s), timeout=10)
+    assert handle.calls == 2 and "a" not in batcher.suspects
 
 
 @pytest.mark.asyncio

@@ -698,4 +698,5 @@ def test_terminated_worker_pods_drain_their_node_before_ray_stops(name, rs):
         cmd = c["lifecycle"]["preStop"]["exec"]["command"]
         assert cmd[:2] == ["/bin/sh", "/app/docker/drain-node.sh"], f"{gname}: {cmd}"
         assert (ROOT / cmd[1].removeprefix("/app/")).is_file()  # the image is the repository at /app
-        assert constants.ROUTER_DRAIN_S < int(cmd[2]) < pod.get("terminationGracePeriodSeconds", 30), gname
+        # (past the deadline: `ray stop`, up to 16 s, and the drain call's own start)
+        assert constants.ROUTER_DRAIN_S < int(cmd[2]) <= pod.get("terminationGracePeriodSeconds", 30) - 25, gname
