@@ -12,8 +12,8 @@ that hold its KV caches, see deployments/affinity.py). Each lane loops over the 
 and sequences join and leave between rounds. A new lane opens when every lane is full (its first
 call goes unpinned, so it lands on the least-loaded replica: scale-out is used), and a lane whose
 target replica has no slot for some of its rows moves to a replica no lane uses: any, when other lanes share
-its replica, else one that reports free slots for all its rows (`room`; at most once per MOVE_COOLDOWN_S,
-as those reports lag). Lanes run in a
+its replica, else one that reports free slots for all its rows (`room`); at most once per MOVE_COOLDOWN_S,
+as those reports lag. Lanes run in a
 context of their own: they outlive the request that opened them, so their calls are not Serve
 child requests of it (which Serve cancels when that client disconnects).
 
@@ -146,7 +146,7 @@ class Lane:
     pending_draft_release: list[int] = field(default_factory=list)
     task: asyncio.Task | None = None
     starved: bool = False  # its target refused some rows a slot in the last round (they wait in line there)
-    moved_at: float = 0.0  # when it last moved to a replica that reported room for it (time.monotonic)
+    moved_at: float = 0.0  # when it last moved off a replica short of slots (time.monotonic)
 
     @property
     def load(self) -> int:
@@ -563,10 +563,11 @@ class Batcher:
             tb.release, tb.build = release, self.cfg.target_build
             try:
                 avoid, room = self._avoid(lane, "target_pin"), self._room_wanted(lane)
+                may_move = bool(room) or lane.target_pin in avoid
                 rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin, avoid=avoid,
                                                                             room=room),
                                                   timeout=max(0.1, deadline - time.monotonic()))
-                if (lane.target_pin in avoid or room) and rid != lane.target_pin:  # rebalanced: the old replica
+                if may_move and rid != lane.target_pin:  # rebalanced: the old replica
                     self._release_later(self.target, lane.target_pin, _held(lane) + release)  # frees its rows
                     lane.moved_at = time.monotonic()  # (and the new one reports them unknown)
                 lane.target_pin = rid
@@ -579,7 +580,7 @@ class Batcher:
                 # rather than move.) The lane leaves it, so the queued requests it takes next start
                 # elsewhere; the replica frees the rows it held in the background. (A call that
                 # could move may have hung elsewhere: no replica is blamed then.)
-                if not (room or lane.target_pin in avoid):
+                if not may_move:
                     self._suspect(lane.target_pin)
                 held = release + (_held(lane) if lane.target_pin else [])  # (the call may never have run there)
                 if held:
