@@ -11,7 +11,9 @@ otherwise stay where it is as long as it has work, and a new replica would sit i
 that gives `room=<rows>` (a lane whose Target replica refused some rows a slot) moves to another
 replica outside `avoid` whose routing stats report at least that many free slots (the roomiest),
 else stays: so a lane starved on a replica that other routers' lanes fill uses an idle one, and
-a `room` move never trades a full replica for another full one. A replica that receives sequences it
+a `room` move never trades a full replica for another full one. Stats lag, so the replica checks
+again when the call arrives (`TargetDeployment.verify`: it refuses the whole call without room for
+all its rows, and the lane stays). A replica that receives sequences it
 does not hold reports them unknown and the router resends their context (re-prefill), so replica
 loss costs a prefill, never a request.
 

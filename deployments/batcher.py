@@ -422,7 +422,7 @@ class Batcher:
                    accepted=sum(min(m, e) for m, e, n in zip(r.verify.num_accepted, kept, r.judged_drafts) if n),
                    bonus=sum(1 for n, m, e in zip(r.judged_drafts, r.verify.num_accepted, kept) if n and m == n < e))
         self._account(r)
-        lane.starved = 0 < len(r.verify.unknown) < len(plan.seqs)  # (all unknown: it backs off and re-pins below)
+        lane.starved = bool(r.verify.refused) and len(r.verify.unknown) < len(plan.seqs)  # (all unknown: it backs off and re-pins below)
         if not sched.has_work and not self.queue:
             # the lane's last round: free its slots before its clients hear back, so a request they
             # send next never finds the replicas still holding them
@@ -567,6 +567,9 @@ class Batcher:
                 rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin, avoid=avoid,
                                                                             room=room),
                                                   timeout=max(0.1, deadline - time.monotonic()))
+                if may_move and rid != lane.target_pin and len(out.refused) == len(tb):
+                    lane.moved_at = time.monotonic()  # the replica it moved to had no room after all: stay
+                    continue
                 if may_move and rid != lane.target_pin:  # rebalanced: the old replica
                     self._release_later(self.target, lane.target_pin, _held(lane) + release)  # frees its rows
                     lane.moved_at = time.monotonic()  # (and the new one reports them unknown)

@@ -267,13 +267,16 @@ class TargetDeployment:
 
     async def verify(self, batch: SpecBatch, draft: DraftOutput, pin: str | None = None,
                      avoid: list[str] | None = None, room: int | None = None) -> tuple[str, VerifyOutput]:
-        """One round for a batch; `pin`/`avoid`/`room` are read by the affinity request router only."""
+        """One round for a batch; `pin`/`avoid`/`room` are read by the affinity request router. A call
+        pinned elsewhere that gives `room` is a lane moving here for want of slots there: taken only if
+        this replica has room for all its rows when it runs (TargetWorker.verify), else all refused."""
         arrived = time.time()
-        out = await self.thread.call(self._verify, batch, draft)
+        move_in = room if room and pin is not None and pin != self.id else None
+        out = await self.thread.call(self._verify, batch, draft, move_in)
         out.served = (arrived, time.time())
         return self.id, out
 
-    def _verify(self, batch: SpecBatch, draft: DraftOutput) -> VerifyOutput:
+    def _verify(self, batch: SpecBatch, draft: DraftOutput, move_in: int | None = None) -> VerifyOutput:
         from deployments.tracing import span
         with span("target.verify", batch.trace_context, rows=len(batch), tp=self.cfg.tp) as sp:
             if self.workers:
@@ -286,7 +289,7 @@ class TargetDeployment:
             if self.broken:
                 raise TargetFault(f"target replica {self.id} is broken: {self.broken}")
             try:
-                out = self.worker.verify(batch, draft)
+                out = self.worker.verify(batch, draft, move_in)
             except Exception as e:
                 if self.workers and self._group_broken(e):
                     self.broken = short_error(e)

@@ -116,3 +116,4 @@ class VerifyOutput(Wire):
     target_draft_accepted: int = 0  # of which accepted
     lookup_rows: list[tuple[int, int]] | None = None  # per row: (forwards that carried its lookups, lookup tokens accepted)
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call
+    refused: list[int] = field(default_factory=list)  # of the unknown rows, those refused a KV slot (they wait in line)

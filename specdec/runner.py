@@ -94,6 +94,12 @@ class SlotTable:
             ahead += 1
         return ahead
 
+    def hold(self, seq_id: int) -> None:
+        """Keep a place in line for a sequence its router resends whole next round (one that moved
+        its lane here): the free slots it will take are not a newcomer's (`room`)."""
+        if seq_id not in self.seqs:
+            self.waiting.setdefault(seq_id, time.monotonic())
+
     def room(self) -> int:
         """Slots a newcomer could take now: the free ones less those that waiters still in line
         will get (read-only: another thread may be allocating)."""

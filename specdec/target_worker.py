@@ -96,11 +96,17 @@ class TargetWorker:
                 self._forget_drafts(s)
 
     @torch.inference_mode()
-    def verify(self, batch: SpecBatch, draft: DraftOutput) -> VerifyOutput:
+    def verify(self, batch: SpecBatch, draft: DraftOutput, move_in: int | None = None) -> VerifyOutput:
+        """One round. `move_in`: the rows of a lane that moves here from a replica short of slots,
+        taken only if this replica has room for all of them now (else every row is refused, and
+        nothing changes here); its rows that ran elsewhere keep their place in line for their resend."""
         t0 = time.perf_counter()
         self.release(batch.release)
         B = len(batch)
-        rows, states, unknown = [], [], []
+        if move_in is not None and self.table.room() < move_in:  # (routing stats lag: another lane came first)
+            return VerifyOutput([[] for _ in range(B)], [0] * B, list(range(B)), 0.0,
+                                [None] * B if self.return_hidden else None, [0] * B, refused=list(range(B)))
+        rows, states, unknown, refused = [], [], [], []
         for i in range(B):
             if batch.offsets[i] == 0 and self.drafter is not None:  # a new (or resent) sequence
                 self._forget_drafts(batch.seq_ids[i])
@@ -108,13 +114,16 @@ class TargetWorker:
                 st = self.table.sync(batch.seq_ids[i], batch.offsets[i], batch.new_tokens[i])
             except CacheFullError:  # no free slot now: the row waits (reported unknown, resent later)
                 st = None
+                refused.append(i)
+            if st is None and move_in is not None:
+                self.table.hold(batch.seq_ids[i])
             if st is None or not st.tokens:
                 unknown.append(i)
             else:
                 rows.append(i)
                 states.append(st)
         out = VerifyOutput([[] for _ in range(B)], [0] * B, unknown, 0.0,
-                           [None] * B if self.return_hidden else None, [0] * B)
+                           [None] * B if self.return_hidden else None, [0] * B, refused=refused)
         if rows:
             K = draft.tokens.shape[1]
             num_draft = [draft.num_draft[i] for i in rows]

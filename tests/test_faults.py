@@ -1092,6 +1092,8 @@ class _AffinityRoutedTarget(_TwoReplicas):
                                             handle_source=DeploymentHandleSource.REPLICA)
         self.calls: list[str] = []
         self.finished, self.finished_at_first_b = 0, None
+        self.stale: dict[str, dict] = {}  # replica -> the routing stats the router sees instead of its own
+        self.served: list[tuple] = []  # (replica, the call's rows, pin, room, rows refused, rows)
 
     async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         from types import SimpleNamespace
@@ -1100,8 +1102,8 @@ class _AffinityRoutedTarget(_TwoReplicas):
 
         from deployments.target import TargetDeployment
         replicas = [SimpleNamespace(replica_id=ReplicaID(unique_id=n, deployment_id=DeploymentID(name="Target")),
-                                    routing_stats=TargetDeployment.record_routing_stats(SimpleNamespace(worker=w)))
-                    for n, w in self.replicas.items()]
+                                    routing_stats=self.stats(n))
+                    for n in self.replicas]
         ranks = await self.router.choose_replicas(replicas, SimpleNamespace(
             kwargs={"pin": pin, "avoid": avoid, "room": room}, routing_context=SimpleNamespace(), created_at=time.time()))
         name = next(rank for rank in ranks if rank)[0].replica_id.unique_id
@@ -1109,7 +1111,24 @@ class _AffinityRoutedTarget(_TwoReplicas):
         if name == "b" and self.finished_at_first_b is None:
             self.finished_at_first_b = self.finished
         await asyncio.sleep(0.002)  # (the other router's rounds interleave, as over the network)
-        return name, self.replicas[name].verify(batch, draft)
+        worker = self.replicas[name]
+
+        async def call(fn, *args):
+            return fn(*args)
+        replica = SimpleNamespace(id=name, thread=SimpleNamespace(call=call),
+                                  _verify=lambda batch, draft, move_in: worker.verify(batch, draft, move_in))
+        served, out = await TargetDeployment.verify(replica, batch, draft, pin=pin, avoid=avoid, room=room)
+        self.served.append((name, frozenset(batch.seq_ids), pin, room, len(out.refused), len(batch)))
+        return served, out
+
+    def stats(self, name: str) -> dict:
+        """The routing stats the request router sees: the replica's own, or `stale` ones."""
+        from types import SimpleNamespace
+
+        from deployments.target import TargetDeployment
+        if name in self.stale:
+            return self.stale[name]
+        return TargetDeployment.record_routing_stats(SimpleNamespace(worker=self.replicas[name]))
 
 
 @pytest.mark.asyncio
@@ -1145,6 +1164,119 @@ async def test_a_lane_short_of_slots_alone_in_its_router_moves_to_a_replica_with
     assert outs == [await _generate(plain, p, 24) for p in prompts]
     await asyncio.sleep(0.05)  # (the background release to "a")
     assert a.table.num_free == b.table.num_free == 6 and not a.table.waiting
+
+
+@pytest.mark.asyncio
+async def test_a_lane_moving_to_a_replica_whose_room_is_gone_stays_where_it_is(tiny_dir):
+    """Routing stats lag: replica "b" reports room for a starved lane's 4 rows but has 3 free slots
+    when the lane's call arrives. "b" refuses the whole call and changes nothing; the lane retries on
+    its own replica in the same round, frees nothing there, and does not try again within the
+    cooldown. (Before, the lane moved, freed its rows on "a", and starved on "b".)"""
+    import torch
+
+    from specdec.loader import load_model
+    from specdec.target_worker import TargetWorker
+    a, b = TargetWorker(load_model(tiny_dir, dtype=torch.float32), 6, 256), _new_worker(tiny_dir, slots=3)
+    handle = _AffinityRoutedTarget({"a": a})
+    routers = [_batcher(tiny_dir, handle, max_batch_size=4, max_lanes=1, plain_steps=1) for _ in range(2)]
+    prompts = [[5 + i, 9, 14, 3] for i in range(8)]
+    runs = [asyncio.ensure_future(_generate(routers[i // 4], p, 24)) for i, p in enumerate(prompts)]
+    for _ in range(200):  # until rows wait for slots on "a"
+        await asyncio.sleep(0.005)
+        if a.table.waiting:
+            break
+    assert a.table.waiting
+    handle.stale["b"] = {"free_slots": 16}
+    handle.replicas["b"] = b
+    outs = await asyncio.wait_for(asyncio.gather(*runs), timeout=120)
+    plain = _batcher(tiny_dir, _FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 8, 256)),
+                     max_batch_size=8, max_lanes=1)
+    assert outs == [await _generate(plain, p, 24) for p in prompts]
+    to_b = [i for i, call in enumerate(handle.served) if call[0] == "b"]
+    assert to_b and all(handle.served[i][4] == handle.served[i][5] for i in to_b)  # refused whole, every time
+    assert len(b.table) == 0 and not b.table.waiting  # (and held no place in line)
+    for i in to_b:  # the same rows, next: to "a", pinned there and asking for no room (the cooldown)
+        rows = handle.served[i][1]
+        nxt = next(c for c in handle.served[i + 1:] if c[1] & rows)
+        assert nxt[0] == "a" and nxt[2] == "a" and nxt[3] is None
+    await asyncio.sleep(0.05)
+    assert a.table.num_free == 6 and b.table.num_free == 3 and not a.table.waiting
+
+
+class _ForgetsARow(_FakeTarget):
+    """A Target replica that loses one row of the 3rd call's batch (as an eviction would) before
+    serving it; records the `room` every call asks for."""
+
+    rooms: list
+
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
+        self.rooms.append(room)
+        if self.calls == 2:
+            self.worker.release(batch.seq_ids[:1])
+        return await super()._verify(batch, draft, pin, avoid, room)
+
+
+@pytest.mark.asyncio
+async def test_a_row_its_replica_lost_does_not_mark_the_lane_short_of_slots(tiny_dir):
+    """A row reported unknown because the replica no longer holds it (restart, eviction) is resent
+    whole; only rows refused a slot make the lane look for room elsewhere (before, any unknown row
+    among others did, and the lane moved for nothing, paying a re-prefill of every row)."""
+    from specdec.sampling import SamplingParams
+    target = _ForgetsARow(_new_worker(tiny_dir))
+    target.rooms = []
+    b = _batcher(tiny_dir, target, plain_steps=1)
+    seqs = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 2)
+    await asyncio.wait_for(_drain(b, seqs), timeout=30)
+    assert len(target.rooms) > 4 and target.rooms == [None] * len(target.rooms)
+    assert [s.output_ids for s in seqs] == [await _generate(_batcher(tiny_dir, _FakeTarget(_new_worker(tiny_dir))),
+                                                            [5, 6, 7], 8)] * 2
+    assert b.resyncs["target"] == 1
+
+
+@pytest.mark.asyncio
+async def test_only_a_call_pinned_to_another_replica_is_checked_as_a_lane_moving_in(tiny_dir):
+    """A starved lane's call gives `room` also when no other replica has room and it stays where it
+    is: there it is an ordinary round (its rows are held there), not a lane moving in."""
+    from types import SimpleNamespace
+
+    from deployments.target import TargetDeployment
+    from specdec.metadata import VerifyOutput
+    seen = []
+
+    async def call(fn, *args):
+        return fn(*args)
+    replica = SimpleNamespace(id="a", thread=SimpleNamespace(call=call),
+                              _verify=lambda batch, draft, move_in: seen.append(move_in) or VerifyOutput([], []))
+    for pin, room in [("a", 3), (None, 3), ("b", None), ("b", 3)]:
+        await TargetDeployment.verify(replica, None, None, pin=pin, room=room)
+    assert seen == [None, None, None, 3]
+
+
+def test_a_replica_takes_a_moving_lane_only_with_room_for_all_its_rows_and_keeps_their_places(tiny_dir):
+    """`TargetWorker.verify(move_in=n)`: with fewer than n slots a newcomer could take, every row is
+    refused and nothing changes; with room, the rows that ran elsewhere (reported unknown) keep a
+    place in line, so the slots they take on their resend go to no other lane meanwhile."""
+    import torch
+
+    from specdec.metadata import DraftOutput, SpecBatch
+    from specdec.runner import CacheFullError
+
+    def batch(ids, offsets):
+        n = len(ids)
+        return SpecBatch(ids, offsets, [[5, 9, 14]] * n, [0] * n, torch.zeros(n), torch.zeros(n, dtype=torch.long),
+                         torch.ones(n), torch.zeros(n, 3, 1, dtype=torch.float64))
+    w = _new_worker(tiny_dir, slots=4)
+    w.table.allocate(100)
+    w.table.allocate(101)
+    out = w.verify(batch([1, 2, 3], [7, 7, 0]), DraftOutput.empty(3), move_in=3)
+    assert out.refused == out.unknown == [0, 1, 2] and len(w.table) == 2 and not w.table.waiting
+    out = w.verify(batch([1, 2], [7, 0]), DraftOutput.empty(2), move_in=2)
+    assert out.unknown == [0] and out.refused == [] and 2 in w.table and 1 in w.table.waiting
+    assert w.table.room() == 0
+    with pytest.raises(CacheFullError):
+        w.table.allocate(200)  # a newcomer waits behind the held row
+    w.verify(batch([1], [0]), DraftOutput.empty(1))  # its resend, whole
+    assert 1 in w.table and 1 not in w.table.waiting
 
 
 def test_a_target_replica_reports_the_slots_a_new_lane_could_take(tiny_dir):
