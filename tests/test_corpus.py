@@ -127,3 +127,29 @@ def test_the_corpus_continues_a_prompt_lookup_draft_from_its_end():
     corpus = NgramCorpus([t for a in answers for t in (*a, SEP)], vocab_size=10, max_n=6)
     assert corpus.draft([1, 2, 3, 1, 2], 1) == [8]  # after the sequence itself: 8
     assert lookup_draft([1, 2, 3, 1, 2], 5, corpus) == [3, 1, 2, 7]  # after "... 3 1 2" + draft "3 1 2": 7
+
+
+def test_specdec_corpus_merges_packed_answers_and_corpora_once_each_without_excluded_questions(tiny_dir, tmp_path):
+    """`--packed` takes a corpus's segments whole and a packed file's answers after their prompts'
+    tails, at the chosen temperatures; a segment already there is not added again (its counts
+    would double), and an answer to a question in `--exclude-prompts` is dropped."""
+    from specdec.loader import load_tokenizer
+    from specdec_tools.distill.packed import pack
+    from specdec_tools.make_corpus import main
+    tok = load_tokenizer(str(tiny_dir))
+    asked = tok.encode("why is the sky blue", add_special_tokens=False)
+    other = tok.encode("tell me a story", add_special_tokens=False)
+    old = tmp_path / "old.npz"
+    NgramCorpus.save(old, [[7, 1, 2, 3], [5, 6]], vocab_size=tok.vocab_size)
+    packed = pack(tmp_path / "data.npz", [
+        {"kind": "task", "temperature": 0.0, "prompt": other + [7, 1], "output": [2, 3]},  # = an old segment
+        {"kind": "task", "temperature": 0.0, "prompt": other + [9], "output": [4, 4]},
+        {"kind": "task", "temperature": 1.0, "prompt": other + [9], "output": [8, 8]},  # not at --temperatures
+        {"kind": "task", "temperature": 0.7, "prompt": asked + [9], "output": [6, 6]},  # an excluded question
+    ])
+    (tmp_path / "q.txt").write_text("Why is the sky BLUE\n\n")
+    out = tmp_path / "c.npz"
+    main(["--packed", str(old), str(packed), "--target", str(tiny_dir), "--out", str(out), "--prompt-tail", "2",
+          "--exclude-prompts", str(tmp_path / "q.txt")])
+    with np.load(out) as f:
+        assert f["tokens"].tolist() == [7, 1, 2, 3, SEP, 5, 6, SEP, other[-1], 9, 4, 4, SEP]
