@@ -103,8 +103,18 @@ TODAY = ["How do I keep basil alive indoors?", "What makes the sky turn red at s
          "Suggest a healthy breakfast I can make in ten minutes.", "How does a bicycle gear system work?",
          "Write a haiku about the first snow of winter.", "What are the main causes of traffic jams?",
          "How can I teach a child to tie their shoes?", "Why is the ocean salty?"]
+# Written on 2026-12-07 (seventeenth session) before any measurement on them, to judge a larger lookup
+# corpus on questions that no setting, corpus or draft was chosen on.
+DEC7 = ["How do I remove rust from garden tools?", "Why do our ears pop on an airplane?",
+        "Write a short note asking a neighbour to keep the music down at night.", "What is the difference between a comet and an asteroid?",
+        "How can I make homemade pizza dough?", "Explain how a vaccine is tested before it is approved.",
+        "Give me four ideas for a cheap date night at home.", "Why do some trees lose their leaves in winter while others do not?",
+        "How do I prepare for my first marathon?", "What does a project manager do all day?",
+        "Write a short poem about a rainy train journey.", "How does recycling plastic actually work?",
+        "What are some polite ways to end a phone call?", "Explain the rules of basketball in simple terms.",
+        "How do I clean a cast-iron pan?", "Why is it colder at the top of a mountain?"]
 PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh": FRESH, "heldout": HELDOUT,
-               "unseen": UNSEEN, "today": TODAY}
+               "unseen": UNSEEN, "today": TODAY, "dec7": DEC7}
 
 STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 

@@ -52,10 +52,11 @@ def forwards(tokens: list[int], prompt_len: int, lookup_k: int, corpus: NgramCor
 
 
 Config = tuple[int, "NgramCorpus | None"]  # (lookup_k, corpus)
+NAMES: dict[int, str] = {}  # id(corpus) -> its name in the tables, when several are compared
 
 
 def label(cfg: Config) -> str:
-    return f"lookup_k {cfg[0]}" + (" + corpus" if cfg[1] is not None else "")
+    return f"lookup_k {cfg[0]}" + ("" if cfg[1] is None else f" + {NAMES.get(id(cfg[1]), 'corpus')}")
 
 
 def timed(model, tok, prompts, configs: list[Config], batch: int, max_tokens: int) -> list[float]:
@@ -88,7 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperatures", default="0,0.7,1.0")
     ap.add_argument("--lookups", default="4,8", help="lookup_k values")
-    ap.add_argument("--corpus", help="also continue lookups from this corpus (a path or a shipped name)")
+    ap.add_argument("--corpus", help="also continue lookups from this corpus (a path or a shipped name; "
+                                     "several, comma-separated, are compared in one run)")
     ap.add_argument("--prompts", default="tasks,everyday", help=f"question sets, of {sorted(PROMPT_SETS)}")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="batch of the answers' generation")
@@ -99,8 +101,10 @@ def main() -> None:
     sets = a.prompts.split(",")
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for s in sets for q in PROMPT_SETS[s]]
     temps = [float(t) for t in a.temperatures.split(",")]
-    corpus = NgramCorpus.load(resolve_corpus(a.corpus)) if a.corpus else None
-    configs = [(int(k), c) for c in ([None, corpus] if corpus else [None]) for k in a.lookups.split(",")]
+    corpora = [NgramCorpus.load(resolve_corpus(c)) for c in a.corpus.split(",")] if a.corpus else []
+    if len(corpora) > 1:
+        NAMES.update({id(c): f"corpus {name}" for c, name in zip(corpora, a.corpus.split(","))})
+    configs = [(int(k), c) for c in [None, *corpora] for k in a.lookups.split(",")]
     rows = []
     for t in tqdm(temps, desc="answers per temperature"):
         eng = LLMEngine(TargetWorker(model, a.batch, 2048), None, tok,
