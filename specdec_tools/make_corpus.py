@@ -9,8 +9,9 @@ every `--packed` file (distillation data packed by `--pack-data`, or a corpus, w
 taken whole), keeps the answers sampled at `--temperatures`, and writes each as the last
 `--prompt-tail` tokens of its prompt (the chat template's assistant header: what an answer starts
 after) followed by the answer, each distinct segment once. Only training prompts belong there: a
-corpus made from the answers to the questions you evaluate on measures nothing, so answers whose
-prompt contains a line of `--exclude-prompts` (case-insensitive) are dropped.
+corpus made from the answers to the questions you evaluate on measures nothing, so packed answers
+whose prompt names a held-out topic of the distillation's split (as its training drops them) or
+contains a line of `--exclude-prompts` (case-insensitive) are dropped.
 """
 from __future__ import annotations
 
@@ -33,13 +34,20 @@ def read_answers(work: Path, temperatures: set[float], prompt_tail: int) -> list
 
 
 def read_packed(paths: list[Path], temperatures: set[float], prompt_tail: int, tokenizer,
-                excluded: list[str]) -> list[list[int]]:
+                excluded: list[str], heldout_chat_pct: int = 15) -> list[list[int]]:
     """Segments of packed files (specdec_tools.distill.packed): a corpus's whole, the answers'
-    at `temperatures` after their prompts' tails, less those whose prompt holds an `excluded` text."""
+    at `temperatures` after their prompts' tails, less those whose prompt holds an `excluded` text
+    or names a held-out chat topic (`heldout_chat_pct`: the distillation's split)."""
+    from specdec_tools.distill import chat
+    from specdec_tools.distill.eagle_cli import held_out_free
     from specdec_tools.distill.packed import unpack
     answers = []
+    heldout = chat.split_topics(heldout_chat_pct)[1]
     for path in paths:
-        for r in tqdm(unpack(path), desc=path.name, unit=" answers"):
+        records = unpack(path)
+        records = [r for r in records if r["kind"] == "corpus"] + held_out_free(
+            [r for r in records if r["kind"] != "corpus"], tokenizer, heldout)
+        for r in tqdm(records, desc=path.name, unit=" answers"):
             if r["kind"] == "corpus":  # (already a segment, prompt tail included)
                 answers.append(r["output"])
             elif float(r["temperature"]) in temperatures:

@@ -132,13 +132,16 @@ def test_the_corpus_continues_a_prompt_lookup_draft_from_its_end():
 def test_specdec_corpus_merges_packed_answers_and_corpora_once_each_without_excluded_questions(tiny_dir, tmp_path):
     """`--packed` takes a corpus's segments whole and a packed file's answers after their prompts'
     tails, at the chosen temperatures; a segment already there is not added again (its counts
-    would double), and an answer to a question in `--exclude-prompts` is dropped."""
+    would double), and an answer to a question in `--exclude-prompts`, or to one that names a held-out
+    topic of the distillation's split, is dropped."""
     from specdec.loader import load_tokenizer
     from specdec_tools.distill.packed import pack
     from specdec_tools.make_corpus import main
     tok = load_tokenizer(str(tiny_dir))
     asked = tok.encode("why is the sky blue", add_special_tokens=False)
     other = tok.encode("tell me a story", add_special_tokens=False)
+    from specdec_tools.distill.chat import split_topics
+    heldout = tok.encode(f"tell me about {split_topics()[1][0]}", add_special_tokens=False)
     old = tmp_path / "old.npz"
     NgramCorpus.save(old, [[7, 1, 2, 3], [5, 6]], vocab_size=tok.vocab_size)
     packed = pack(tmp_path / "data.npz", [
@@ -146,6 +149,7 @@ def test_specdec_corpus_merges_packed_answers_and_corpora_once_each_without_excl
         {"kind": "task", "temperature": 0.0, "prompt": other + [9], "output": [4, 4]},
         {"kind": "task", "temperature": 1.0, "prompt": other + [9], "output": [8, 8]},  # not at --temperatures
         {"kind": "task", "temperature": 0.7, "prompt": asked + [9], "output": [6, 6]},  # an excluded question
+        {"kind": "task", "temperature": 0.0, "prompt": heldout + [9], "output": [6, 5]},  # names a held-out topic
     ])
     (tmp_path / "q.txt").write_text("Why is the sky BLUE\n\n")
     out = tmp_path / "c.npz"

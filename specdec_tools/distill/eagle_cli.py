@@ -154,7 +154,7 @@ def held_out_free(answers: list[dict], tok, heldout_topics: list[str]) -> list[d
     questions written before that filter existed, and packed data of earlier runs."""
     kept = [r for r in answers if not chat.mentioned_topic(chat.user_text(tok, r["prompt"]), heldout_topics)]
     if len(kept) < len(answers):
-        print(f"{len(answers) - len(kept)} answers left out of training: their prompts name held-out topics", flush=True)
+        print(f"{len(answers) - len(kept)} answers left out: their prompts name held-out topics", flush=True)
     return kept
 
 
