@@ -60,8 +60,8 @@ class AffinityRequestRouter(RequestRouter):
                     # holds every lane's state, so lanes never leave one on their own), moves to a
                     # replica no lane uses (one scale-out just added); a lane short of slots, to one
                     # with room for it; else it stays
-                    if pin in avoid and fresh:
-                        return [random.sample(fresh, min(2, len(fresh))), [r]]
+                    if pin in avoid and fresh:  # (one reporting room first, when it asks for room)
+                        return [_roomiest(fresh, r, kwargs.get("room")), random.sample(fresh, min(2, len(fresh))), [r]]
                     return [_roomiest(fresh, r, kwargs.get("room")), [r]]
         used = [r for r in candidate_replicas if r.replica_id.unique_id in avoid]
         ranks = [random.sample(pool, min(2, len(pool))) for pool in (fresh, used) if pool]  # the shorter queue of each

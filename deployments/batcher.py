@@ -422,7 +422,7 @@ class Batcher:
                    accepted=sum(min(m, e) for m, e, n in zip(r.verify.num_accepted, kept, r.judged_drafts) if n),
                    bonus=sum(1 for n, m, e in zip(r.judged_drafts, r.verify.num_accepted, kept) if n and m == n < e))
         self._account(r)
-        lane.starved = bool(r.verify.refused) and len(r.verify.unknown) < len(plan.seqs)  # (all unknown: it backs off and re-pins below)
+        lane.starved = bool(r.verify.refused or ()) and len(r.verify.unknown) < len(plan.seqs)  # (all unknown: it backs off and re-pins below)
         if not sched.has_work and not self.queue:
             # the lane's last round: free its slots before its clients hear back, so a request they
             # send next never finds the replicas still holding them
@@ -557,7 +557,7 @@ class Batcher:
             ActorUnavailableError = RayActorError
         deadline = time.monotonic() + self.cfg.retry_deadline_s
         release = list(plan.draft_batch.release)
-        backoff = 0.2
+        backoff, refused_move = 0.2, False
         while True:
             tb = lane.scheduler.target_batch(plan, draft)
             tb.release, tb.build = release, self.cfg.target_build
@@ -567,8 +567,9 @@ class Batcher:
                 rid, out = await asyncio.wait_for(self.target.verify.remote(tb, draft, pin=lane.target_pin, avoid=avoid,
                                                                             room=room),
                                                   timeout=max(0.1, deadline - time.monotonic()))
-                if may_move and rid != lane.target_pin and len(out.refused) == len(tb):
+                if may_move and rid != lane.target_pin and len(out.refused or ()) == len(tb):
                     lane.moved_at = time.monotonic()  # the replica it moved to had no room after all: stay
+                    refused_move = True
                     continue
                 if may_move and rid != lane.target_pin:  # rebalanced: the old replica
                     self._release_later(self.target, lane.target_pin, _held(lane) + release)  # frees its rows
@@ -582,8 +583,9 @@ class Batcher:
                 # (A slow forward and a hung one look alike before then: the lane's rows fail
                 # rather than move.) The lane leaves it, so the queued requests it takes next start
                 # elsewhere; the replica frees the rows it held in the background. (A call that
-                # could move may have hung elsewhere: no replica is blamed then.)
-                if not may_move:
+                # could move may have hung elsewhere, and one that a move refused spent part of its
+                # time elsewhere: no replica is blamed then.)
+                if not (may_move or refused_move):
                     self._suspect(lane.target_pin)
                 held = release + (_held(lane) if lane.target_pin else [])  # (the call may never have run there)
                 if held:

@@ -272,7 +272,10 @@ class TargetDeployment:
         this replica has room for all its rows when it runs (TargetWorker.verify), else all refused."""
         arrived = time.time()
         move_in = room if room and pin is not None and pin != self.id else None
-        out = await self.thread.call(self._verify, batch, draft, move_in)
+        if move_in and self.worker.table.room() < move_in:  # no room now: refused before it queues for the
+            out = VerifyOutput.refusal(len(batch), self.worker.return_hidden)  # model thread (there it is checked again, TargetWorker.verify)
+        else:
+            out = await self.thread.call(self._verify, batch, draft, move_in)
         out.served = (arrived, time.time())
         return self.id, out
 

@@ -116,4 +116,11 @@ class VerifyOutput(Wire):
     target_draft_accepted: int = 0  # of which accepted
     lookup_rows: list[tuple[int, int]] | None = None  # per row: (forwards that carried its lookups, lookup tokens accepted)
     served: tuple[float, float] | None = None  # wall clock (time.time) at which a replica began / ended the call
-    refused: list[int] = field(default_factory=list)  # of the unknown rows, those refused a KV slot (they wait in line)
+    refused: list[int] | None = None  # of the unknown rows, those refused a KV slot (they wait in line)
+
+    @classmethod
+    def refusal(cls, batch_size: int, hidden: bool = False) -> "VerifyOutput":
+        """Every row refused a slot, nothing changed: a lane moving in to a replica without room for it."""
+        rows = list(range(batch_size))
+        return cls([[] for _ in rows], [0] * batch_size, rows, 0.0, [None] * batch_size if hidden else None,
+                   [0] * batch_size, refused=list(rows))

@@ -104,8 +104,7 @@ class TargetWorker:
         self.release(batch.release)
         B = len(batch)
         if move_in is not None and self.table.room() < move_in:  # (routing stats lag: another lane came first)
-            return VerifyOutput([[] for _ in range(B)], [0] * B, list(range(B)), 0.0,
-                                [None] * B if self.return_hidden else None, [0] * B, refused=list(range(B)))
+            return VerifyOutput.refusal(B, self.return_hidden)
         rows, states, unknown, refused = [], [], [], []
         for i in range(B):
             if batch.offsets[i] == 0 and self.drafter is not None:  # a new (or resent) sequence

@@ -162,6 +162,9 @@ async def test_a_lane_short_of_slots_moves_only_to_a_replica_reporting_room_for_
     assert await ranks({"a": 0, "b": 8}, 4, avoid=["b"]) == [["a"]]  # (a suspect, or another lane's)
     assert await ranks({"a": 0, "b": None}, 4) == [["a"]]
     assert await _route({"a": 0.0, "b": 0.0}, ["a"], avoid=["a"]) == ["b"]  # (shared: moves as before)
+    # shared and short of slots: to a replica no lane uses, one reporting room first
+    chosen = await ranks({"a": 0, "b": 0, "c": 6, "d": None}, 4, avoid=["a"])
+    assert chosen[0] == ["c"] and sorted(chosen[1]) in (["b", "c"], ["b", "d"], ["c", "d"]) and chosen[2] == ["a"]
 
 class _RoutedDraft:
     """A Draft handle whose calls the real AffinityRequestRouter places on in-process replicas

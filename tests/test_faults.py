@@ -1115,7 +1115,7 @@ class _AffinityRoutedTarget(_TwoReplicas):
 
         async def call(fn, *args):
             return fn(*args)
-        replica = SimpleNamespace(id=name, thread=SimpleNamespace(call=call),
+        replica = SimpleNamespace(id=name, thread=SimpleNamespace(call=call), worker=worker,
                                   _verify=lambda batch, draft, move_in: worker.verify(batch, draft, move_in))
         served, out = await TargetDeployment.verify(replica, batch, draft, pin=pin, avoid=avoid, room=room)
         self.served.append((name, frozenset(batch.seq_ids), pin, room, len(out.refused), len(batch)))
@@ -1236,7 +1236,8 @@ async def test_a_row_its_replica_lost_does_not_mark_the_lane_short_of_slots(tiny
 @pytest.mark.asyncio
 async def test_only_a_call_pinned_to_another_replica_is_checked_as_a_lane_moving_in(tiny_dir):
     """A starved lane's call gives `room` also when no other replica has room and it stays where it
-    is: there it is an ordinary round (its rows are held there), not a lane moving in."""
+    is: there it is an ordinary round (its rows are held there), not a lane moving in. A lane moving
+    in to a replica without room is refused before its call waits for the model thread."""
     from types import SimpleNamespace
 
     from deployments.target import TargetDeployment
@@ -1245,11 +1246,14 @@ async def test_only_a_call_pinned_to_another_replica_is_checked_as_a_lane_moving
 
     async def call(fn, *args):
         return fn(*args)
-    replica = SimpleNamespace(id="a", thread=SimpleNamespace(call=call),
+    free = SimpleNamespace(room=lambda: 3)
+    replica = SimpleNamespace(id="a", thread=SimpleNamespace(call=call), worker=SimpleNamespace(table=free, return_hidden=False),
                               _verify=lambda batch, draft, move_in: seen.append(move_in) or VerifyOutput([], []))
-    for pin, room in [("a", 3), (None, 3), ("b", None), ("b", 3)]:
-        await TargetDeployment.verify(replica, None, None, pin=pin, room=room)
+    for pin, room in [("a", 4), (None, 4), ("b", None), ("b", 3)]:
+        await TargetDeployment.verify(replica, [0] * 4, None, pin=pin, room=room)
     assert seen == [None, None, None, 3]
+    rid, out = await TargetDeployment.verify(replica, [0] * 4, None, pin="b", room=4)
+    assert rid == "a" and out.refused == out.unknown == [0, 1, 2, 3] and len(seen) == 4
 
 
 def test_a_replica_takes_a_moving_lane_only_with_room_for_all_its_rows_and_keeps_their_places(tiny_dir):
@@ -1266,10 +1270,21 @@ def test_a_replica_takes_a_moving_lane_only_with_room_for_all_its_rows_and_keeps
         return SpecBatch(ids, offsets, [[5, 9, 14]] * n, [0] * n, torch.zeros(n), torch.zeros(n, dtype=torch.long),
                          torch.ones(n), torch.zeros(n, 3, 1, dtype=torch.float64))
     w = _new_worker(tiny_dir, slots=4)
-    w.table.allocate(100)
-    w.table.allocate(101)
-    out = w.verify(batch([1, 2, 3], [7, 7, 0]), DraftOutput.empty(3), move_in=3)
-    assert out.refused == out.unknown == [0, 1, 2] and len(w.table) == 2 and not w.table.waiting
+    for sid in (100, 101, 102, 103):
+        w.table.allocate(sid)
+    with pytest.raises(CacheFullError):
+        w.table.allocate(104)  # waits in line for the next free slot
+    w.table.release(102)
+    w.table.release(103)  # 2 free, 1 of them for the waiter
+    out = w.verify(batch([1, 2], [7, 0]), DraftOutput.empty(2), move_in=2)
+    assert out.refused == out.unknown == [0, 1] and len(w.table) == 2 and list(w.table.waiting) == [104]
+    w.table.waiting.clear()
+    out = w.verify(batch([1, 2], [7, 0]), DraftOutput.empty(2), move_in=3)  # (the lane's third row is not in this call)
+    assert out.refused == [0, 1] and len(w.table) == 2 and not w.table.waiting
+    w.table.allocate(102)
+    w.table.allocate(103)
+    w.table.release(100)
+    w.table.release(101)
     out = w.verify(batch([1, 2], [7, 0]), DraftOutput.empty(2), move_in=2)
     assert out.unknown == [0] and out.refused == [] and 2 in w.table and 1 in w.table.waiting
     assert w.table.room() == 0
@@ -1380,6 +1395,37 @@ async def test_a_call_that_could_move_and_timed_out_blames_no_replica(tiny_dir):
             while True:
                 await asyncio.wait_for(batcher.wait(s), timeout=10)
     assert handle.calls == 2 and "a" not in batcher.suspects
+
+
+class _RefusesTheMoveThenHangs(_StarvesThenHangs):
+    """As _StarvesThenHangs, but the lane's second call (asking for room) reaches "b", which takes
+    most of the deadline to refuse the move; the retry on "a" then hangs."""
+
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
+        from specdec.metadata import VerifyOutput
+        if self.calls == 1:
+            self.calls += 1
+            assert room and pin == "a"
+            await asyncio.sleep(0.3)
+            return "b", VerifyOutput.refusal(len(batch))
+        return await super()._verify(batch, draft, pin, avoid, room)
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_timed_out_after_its_move_was_refused_blames_no_replica(tiny_dir):
+    """Part of the deadline went to the replica that refused the move: the replica the lane stayed on
+    is not avoided for SUSPECT_S when the retry there runs out of time."""
+    handle = _RefusesTheMoveThenHangs(_new_worker(tiny_dir, slots=2))
+    batcher = _batcher(tiny_dir, handle, max_batch_size=4, max_lanes=1, max_request_share=1.0,
+                       retry_deadline_s=0.5, plain_steps=1)
+    from deployments.batcher import RequestFailed
+    from specdec.sampling import SamplingParams
+    seqs = batcher.submit([[5, 6, 7, 8]], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 4)
+    for s in seqs:
+        with pytest.raises(RequestFailed, match="no replica answered"):
+            while True:
+                await asyncio.wait_for(batcher.wait(s), timeout=10)
+    assert handle.calls == 3 and "a" not in batcher.suspects
 
 
 @pytest.mark.asyncio

@@ -56,3 +56,13 @@ def test_arrived_tensors_are_writable():
     t = a.tensor()
     t[0] = 9
     assert t.tolist() == [9, 1, 2, 3]
+
+
+def test_a_verify_output_from_a_replica_that_predates_refused_reads_as_none():
+    """During a rolling update an older Target replica sends VerifyOutputs without `refused`: they
+    read as None (the batcher treats None as no row refused), never as a missing attribute."""
+    state = VerifyOutput([[1]], [1]).__getstate__()
+    del state["refused"]
+    old = VerifyOutput.__new__(VerifyOutput)
+    old.__setstate__(state)
+    assert old.refused is None
