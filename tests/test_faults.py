@@ -1385,6 +1385,12 @@ async def test_a_call_that_could_move_and_timed_out_blames_no_replica(tiny_dir):
     """A starved lane's call may have gone to another replica (`room`): when it times out, the
     replica it was pinned to is not avoided for SUSPECT_S (it may be the healthy one)."""
     handle = _StarvesThenHangs(_new_worker(tiny_dir, slots=2))
+    batcher = await _starve_then_time_out(tiny_dir, handle)
+    assert handle.calls == 2 and "a" not in batcher.suspects
+
+
+async def _starve_then_time_out(tiny_dir, handle):
+    """A lane of 4 rows on `handle` (a replica with 2 slots, then no answer) until its requests fail."""
     batcher = _batcher(tiny_dir, handle, max_batch_size=4, max_lanes=1, max_request_share=1.0,
                        retry_deadline_s=0.5, plain_steps=1)
     from deployments.batcher import RequestFailed
@@ -1394,7 +1400,7 @@ async def test_a_call_that_could_move_and_timed_out_blames_no_replica(tiny_dir):
         with pytest.raises(RequestFailed, match="no replica answered"):
             while True:
                 await asyncio.wait_for(batcher.wait(s), timeout=10)
-    assert handle.calls == 2 and "a" not in batcher.suspects
+    return batcher
 
 
 class _RefusesTheMoveThenHangs(_StarvesThenHangs):
@@ -1416,15 +1422,7 @@ async def test_a_call_that_timed_out_after_its_move_was_refused_blames_no_replic
     """Part of the deadline went to the replica that refused the move: the replica the lane stayed on
     is not avoided for SUSPECT_S when the retry there runs out of time."""
     handle = _RefusesTheMoveThenHangs(_new_worker(tiny_dir, slots=2))
-    batcher = _batcher(tiny_dir, handle, max_batch_size=4, max_lanes=1, max_request_share=1.0,
-                       retry_deadline_s=0.5, plain_steps=1)
-    from deployments.batcher import RequestFailed
-    from specdec.sampling import SamplingParams
-    seqs = batcher.submit([[5, 6, 7, 8]], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 4)
-    for s in seqs:
-        with pytest.raises(RequestFailed, match="no replica answered"):
-            while True:
-                await asyncio.wait_for(batcher.wait(s), timeout=10)
+    batcher = await _starve_then_time_out(tiny_dir, handle)
     assert handle.calls == 3 and "a" not in batcher.suspects
 
 
