@@ -422,7 +422,10 @@ class Batcher:
                    accepted=sum(min(m, e) for m, e, n in zip(r.verify.num_accepted, kept, r.judged_drafts) if n),
                    bonus=sum(1 for n, m, e in zip(r.judged_drafts, r.verify.num_accepted, kept) if n and m == n < e))
         self._account(r)
-        lane.starved = bool(r.verify.refused or ()) and len(r.verify.unknown) < len(plan.seqs)  # (all unknown: it backs off and re-pins below)
+        # rows refused a slot (an older replica reports no `refused`: all its unknown rows), not those
+        # the replica lacks (a lane that just moved, a restart): those are resent whole to it
+        refused = r.verify.unknown if r.verify.refused is None else r.verify.refused
+        lane.starved = bool(refused) and len(r.verify.unknown) < len(plan.seqs)  # (all refused: it backs off and re-pins below)
         if not sched.has_work and not self.queue:
             # the lane's last round: free its slots before its clients hear back, so a request they
             # send next never finds the replicas still holding them
@@ -430,7 +433,7 @@ class Batcher:
         for s in plan.seqs:
             self._notify(s)
         self._profile(r, calls, time.perf_counter() - t0)
-        if len(r.verify.unknown) == len(plan.seqs):  # no row progressed (target out of slots): back off
+        if len(refused) == len(plan.seqs):  # no row progressed (target out of slots): back off
             # and let the request router pick again (it avoids other lanes' replicas). Slots free as
             # other lanes finish, and a replica takes back slots no router has touched for a while
             # (specdec.runner.SlotTable: a crashed router's, a lost release's), so the wait ends.

@@ -1159,6 +1159,11 @@ async def test_a_lane_short_of_slots_alone_in_its_router_moves_to_a_replica_with
     handle.replicas["b"] = b  # scale-out
     outs = await asyncio.gather(*runs)
     assert "b" in handle.calls and handle.finished_at_first_b == 0
+    # the move's call finds none of the lane's rows on "b" (they keep their places there): the lane
+    # stays pinned to "b" and resends them whole, it does not back off and pick a replica again
+    move = next(i for i, c in enumerate(handle.served) if c[0] == "b")
+    rows = handle.served[move][1]
+    assert handle.served[move][2] == "a" and next(c for c in handle.served[move + 1:] if c[1] & rows)[:3] == ("b", rows, "b")
     plain = _batcher(tiny_dir, _FakeTarget(TargetWorker(load_model(tiny_dir, dtype=torch.float32), 8, 256)),
                      max_batch_size=8, max_lanes=1)
     assert outs == [await _generate(plain, p, 24) for p in prompts]
@@ -1204,15 +1209,18 @@ async def test_a_lane_moving_to_a_replica_whose_room_is_gone_stays_where_it_is(t
 
 
 class _ForgetsARow(_FakeTarget):
-    """A Target replica that loses one row of the 3rd call's batch (as an eviction would) before
-    serving it; records the `room` every call asks for."""
+    """A Target replica that loses `forget` rows of the 3rd call's batch (as an eviction or a
+    restart would) before serving it; records the `room` and `pin` every call gives."""
 
     rooms: list
+    pins: list
+    forget = 1
 
     async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
         self.rooms.append(room)
+        self.pins.append(pin)
         if self.calls == 2:
-            self.worker.release(batch.seq_ids[:1])
+            self.worker.release(batch.seq_ids[:self.forget])
         return await super()._verify(batch, draft, pin, avoid, room)
 
 
@@ -1223,7 +1231,7 @@ async def test_a_row_its_replica_lost_does_not_mark_the_lane_short_of_slots(tiny
     among others did, and the lane moved for nothing, paying a re-prefill of every row)."""
     from specdec.sampling import SamplingParams
     target = _ForgetsARow(_new_worker(tiny_dir))
-    target.rooms = []
+    target.rooms, target.pins = [], []
     b = _batcher(tiny_dir, target, plain_steps=1)
     seqs = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 2)
     await asyncio.wait_for(_drain(b, seqs), timeout=30)
@@ -1254,6 +1262,51 @@ async def test_only_a_call_pinned_to_another_replica_is_checked_as_a_lane_moving
     assert seen == [None, None, None, 3]
     rid, out = await TargetDeployment.verify(replica, [0] * 4, None, pin="b", room=4)
     assert rid == "a" and out.refused == out.unknown == [0, 1, 2, 3] and len(seen) == 4
+
+
+@pytest.mark.asyncio
+async def test_a_lane_whose_rows_its_replica_all_lost_resends_them_there_without_backing_off(tiny_dir):
+    """Every row unknown but none refused a slot (the replica lost them): the lane keeps its replica
+    and resends its rows whole at once; only a round whose rows were all refused backs off and lets
+    the request router pick again."""
+    from specdec.sampling import SamplingParams
+    target = _ForgetsARow(_new_worker(tiny_dir))
+    target.rooms, target.pins, target.forget = [], [], 2
+    b = _batcher(tiny_dir, target, plain_steps=1)
+    seqs = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 2)
+    await asyncio.wait_for(_drain(b, seqs), timeout=30)
+    assert b.resyncs["target"] == 2 and target.pins[:2] == [None, "replica-b"]
+    assert target.pins[2:] == ["replica-b"] * (len(target.pins) - 2)  # (pinned on after the lost rows)
+    assert [s.output_ids for s in seqs] == [await _generate(_batcher(tiny_dir, _FakeTarget(_new_worker(tiny_dir))),
+                                                            [5, 6, 7], 8)] * 2
+
+
+class _OlderReplicaOutOfSlots(_FakeTarget):
+    """A replica of an older version (its VerifyOutput has no `refused`) that has no slot for any row
+    of the first call; records the pins."""
+
+    pins: list
+
+    async def _verify(self, batch, draft, pin=None, avoid=None, room=None):
+        from specdec.metadata import VerifyOutput
+        self.pins.append(pin)
+        if not self.pins[1:]:
+            n = len(batch)
+            return "replica-b", VerifyOutput([[] for _ in range(n)], [0] * n, list(range(n)))
+        return await super()._verify(batch, draft, pin, avoid, room)
+
+
+@pytest.mark.asyncio
+async def test_a_round_all_unknown_on_an_older_replica_backs_off_as_before(tiny_dir):
+    """During a rolling update an older Target replica does not say which rows it refused: all
+    unknown still reads as out of slots there, so the lane backs off and lets the router pick again."""
+    from specdec.sampling import SamplingParams
+    target = _OlderReplicaOutOfSlots(_new_worker(tiny_dir))
+    target.pins = []
+    b = _batcher(tiny_dir, target, plain_steps=1)
+    seqs = b.submit([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)
+    await asyncio.wait_for(_drain(b, seqs), timeout=30)
+    assert target.pins[:3] == [None, None, "replica-b"] and all(len(s.output_ids) == 4 for s in seqs)
 
 
 def test_a_replica_takes_a_moving_lane_only_with_room_for_all_its_rows_and_keeps_their_places(tiny_dir):
