@@ -24,12 +24,17 @@ from specdec.corpus import NgramCorpus
 from specdec_tools.distill.answers import iter_jsonl
 
 
+def segment(answer: dict, prompt_tail: int) -> list[int]:
+    """What the corpus holds of an answer: its prompt's last `prompt_tail` tokens, then the answer."""
+    return answer["prompt"][-prompt_tail:] + answer["output"] if prompt_tail else answer["output"]
+
+
 def read_answers(work: Path, temperatures: set[float], prompt_tail: int) -> list[list[int]]:
     answers = []
     for f in sorted(work.glob("*.jsonl")):
         for r in tqdm(iter_jsonl(f), desc=f.name, unit=" rows"):  # a partial last line (a cut write) is skipped
             if "output" in r and "prompt" in r and float(r.get("temperature", 0.0)) in temperatures:
-                answers.append(r["prompt"][-prompt_tail:] + r["output"] if prompt_tail else r["output"])
+                answers.append(segment(r, prompt_tail))
     return answers
 
 
@@ -53,7 +58,7 @@ def read_packed(paths: list[Path], temperatures: set[float], prompt_tail: int, t
             elif float(r["temperature"]) in temperatures:
                 prompt = tokenizer.decode(r["prompt"]).lower() if excluded else ""
                 if not any(q in prompt for q in excluded):
-                    answers.append(r["prompt"][-prompt_tail:] + r["output"] if prompt_tail else r["output"])
+                    answers.append(segment(r, prompt_tail))
     return answers
 
 
