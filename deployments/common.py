@@ -85,6 +85,24 @@ class ModelThread:
             raise TimeoutError(f"a model call has been running for {busy:.0f}s (forward_timeout_s={timeout_s:g})")
 
 
+class HoldsRows:
+    """A replica that keeps per-sequence state (KV rows, draft caches) and frees it on its model thread."""
+
+    id: str
+    thread: ModelThread
+
+    def _free(self, seq_ids: list[int]) -> None:
+        raise NotImplementedError
+
+    async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
+        """Free the sequences' state. A release meant for another replica (`pin`: one that is gone, so
+        the request router sent it here) frees nothing: these ids may be rows this replica has just
+        taken over."""
+        if pin is not None and pin != self.id:
+            return
+        await self.thread.call(self._free, seq_ids)
+
+
 def replica_id() -> str:
     """This Serve replica's unique id ('' outside Serve)."""
     try:

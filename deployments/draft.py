@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from deployments.tracing import ensure_provider, flush
-from deployments.common import ModelRuntime, ModelThread, replica_id
+from deployments.common import HoldsRows, ModelRuntime, ModelThread, replica_id
 from deployments.metrics import DRAFT_BUSY_FRACTION, DRAFT_TOKENS_PER_S, LoadMeter
 from specdec.loader import parse_dtype
 from specdec.metadata import DraftOutput, SpecBatch
@@ -51,7 +51,7 @@ def make_proposer(c: DraftConfig, **overrides):
     return build_proposer(c.proposer, **{**kw, **overrides})
 
 
-class DraftDeployment:
+class DraftDeployment(HoldsRows):
     """Serve deployment class (decorated by the builder)."""
 
     def __init__(self, config: dict):
@@ -84,13 +84,8 @@ class DraftDeployment:
             sp.set(proposed=n, unknown=len(out.unknown))
         return out
 
-    async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
-        """Free the sequences' state. A release meant for another replica (`pin`: one that is gone, so
-        the request router sent it here) frees nothing: these ids may be rows this replica has just
-        taken over."""
-        if pin is not None and pin != self.id:
-            return
-        await self.thread.call(self.proposer.release, seq_ids)
+    def _free(self, seq_ids: list[int]) -> None:
+        self.proposer.release(seq_ids)
 
     def check_health(self) -> None:
         """Fail (so Serve replaces this replica) when a proposal hangs: its lanes would otherwise

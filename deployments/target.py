@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from deployments.tracing import ensure_provider, flush
-from deployments.common import ModelRuntime, ModelThread, replica_id, set_torch_threads, short_error
+from deployments.common import HoldsRows, ModelRuntime, ModelThread, replica_id, set_torch_threads, short_error
 from deployments.metrics import (TARGET_ACTIVE_SEQUENCES, TARGET_BUSY_FRACTION, TARGET_TOKENS_PER_S,
                                  LoadMeter)
 from specdec.corpus import NgramCorpus
@@ -208,7 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TargetDeployment:
+class TargetDeployment(HoldsRows):
     """Serve deployment class (decorated by the builder): verify rounds for the router."""
 
     def __init__(self, config: dict):
@@ -304,13 +304,8 @@ class TargetDeployment:
             sp.set(emitted=n, accepted=sum(out.num_accepted), unknown=len(out.unknown))
         return out
 
-    async def release(self, seq_ids: list[int], pin: str | None = None) -> None:
-        """Free the sequences' state. A release meant for another replica (`pin`: one that is gone, so
-        the request router sent it here) frees nothing: these ids may be rows this replica has just
-        taken over."""
-        if pin is not None and pin != self.id:
-            return
-        await self.thread.call(self.worker.release, seq_ids)
+    def _free(self, seq_ids: list[int]) -> None:
+        self.worker.release(seq_ids)
 
     def stats(self) -> dict:
         drafter = self.worker.drafter

@@ -1379,6 +1379,7 @@ def test_a_target_replica_reports_the_slots_a_new_lane_could_take(tiny_dir):
 async def test_a_release_meant_for_a_gone_replica_frees_nothing_where_it_lands(tiny_dir):
     """The request router sends a call pinned to a replica that is gone to another one: a release
     there must not free rows that replica has just taken over (the lane that moved re-prefilled them)."""
+    from functools import partial
     from types import SimpleNamespace
 
     from deployments.draft import DraftDeployment
@@ -1391,6 +1392,7 @@ async def test_a_release_meant_for_a_gone_replica_frees_nothing_where_it_lands(t
     freed: list[int] = []
     target = SimpleNamespace(id="b", worker=w, thread=SimpleNamespace(call=call))
     draft = SimpleNamespace(id="b", proposer=SimpleNamespace(release=freed.extend), thread=SimpleNamespace(call=call))
+    target._free, draft._free = partial(TargetDeployment._free, target), partial(DraftDeployment._free, draft)
     await TargetDeployment.release(target, [1], pin="a")
     await DraftDeployment.release(draft, [1], pin="a")
     assert 1 in w.table and freed == []
