@@ -206,7 +206,7 @@ class EagleDraft(Transformer):
                   "vocab_size": a.vocab_size, "draft_vocab_size": int(self.lm_head.weight.shape[0]),
                   "feature_layers": list(self.feature_layers)}
         (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.trained_state().items()}
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.trained_state().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(out)

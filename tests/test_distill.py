@@ -375,3 +375,45 @@ def test_eval_only_evaluates_on_the_split_the_draft_was_trained_with(tiny_dir, t
     assert seen == [(5, 5), (3, 5)]
     with pytest.raises(SystemExit, match="the draft was trained with --heldout-chat-pct 5"):
         main(["--eval-only", str(d), "--threads", "1", "--heldout-chat-pct", "15"])
+
+
+@pytest.mark.parametrize("device, arch, cuda, words", [
+    ("cuda", "eagle", False, "--device cuda: this machine has no CUDA device"),
+    ("mps", "eagle", False, "--device mps: use cpu or cuda"),
+    ("nodevice", "eagle", False, "--device nodevice: "),
+    ("cuda", "llama", True, "the llama draft trains on the CPU only"),
+])
+def test_a_device_the_run_cannot_use_is_refused_before_anything_loads(tiny_dir, tmp_path, monkeypatch, one_thread,
+                                                                      device, arch, cuda, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = _eagle(tiny_dir, tmp_path, "--steps", "1", "--device", device)
+    if arch == "llama":
+        args = ["--target", str(tiny_dir), "--out", str(tmp_path / "d"), *COMMON, "--steps", "1", "--device", device]
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        main(args)
+    assert not (tmp_path / "work").exists() and not (tmp_path / "d").exists()
+
+
+def test_features_and_training_follow_the_models_device(tiny_dir, tmp_path, one_thread):
+    """The teacher's features are kept in host memory whatever the target's device, and a training
+    step moves each batch to the draft's device (checked on the CPU; tests/test_gpu.py runs the whole
+    pipeline on CUDA)."""
+    from specdec.eagle_draft import EagleDraft
+    from specdec_tools.distill.eagle_train import EagleTrainConfig, EagleTrainer, FeatureCache
+    target = load_model(tiny_dir)
+    cache = FeatureCache.build(target, [("chat", list(range(5, 40))), ("text", list(range(7, 30)))], batch_rows=2)
+    assert [f.device.type for f in cache.feats] == ["cpu", "cpu"] and cache.feats[0].dtype == torch.bfloat16
+    draft = EagleDraft.for_target(target, torch.arange(VOCAB))
+    trainer = EagleTrainer(draft, cache, EagleTrainConfig(steps=1, minutes=None), tmp_path)
+    assert trainer.device == target.device and trainer.noise_generator().device == target.device
+    moved = []
+    real = torch.Tensor.to
+
+    def to(t, *a, **kw):
+        moved.append(a[0] if a else kw.get("device"))
+        return real(t, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "to", to)
+        trainer.train_step([0, 1])
+    assert moved[:3] == [target.device] * 3  # feats, tokens, mask

@@ -286,6 +286,20 @@ def test_feature_cache_reuses_rows_by_content_wherever_they_move(target, tmp_pat
     assert len(FeatureCache.load(path).tokens) == 4
 
 
+@pytest.mark.parametrize("save_minutes, saves", [(0, 3), (60, 1)])
+def test_feature_cache_saves_its_store_on_a_clock_and_at_the_end(target, tmp_path, monkeypatch, save_minutes, saves):
+    """Chunks of one row: with save_minutes 0 the store is rewritten after every chunk (an interrupted
+    run keeps what it prefilled); with an hour, once, at the end, holding every row (on a GPU a
+    chunk takes seconds and rewriting gigabytes after each would dominate)."""
+    from specdec_tools.distill.eagle_train import FeatureCache
+    rows = [("chat", [5 + i, 6, 7, 8 + i]) for i in range(3)]
+    written = []
+    save = FeatureCache.save
+    monkeypatch.setattr(FeatureCache, "save", lambda self, path: written.append(len(self.tokens)) or save(self, path))
+    FeatureCache.build(target, rows, path=tmp_path / "f.pt", chunk_rows=1, save_minutes=save_minutes)
+    assert written == [1, 2, 3][-saves:] and len(FeatureCache.load(tmp_path / "f.pt").tokens) == 3
+
+
 class Drafts(EagleProposer):
     """Records every round's proposals."""
 

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eval-tokens", type=int, default=64)
     o.add_argument("--eval-dtype", default="bfloat16", help="dtype of target and draft in the evaluation")
     o.add_argument("--threads", type=int, default=envs.NUM_THREADS, help="torch threads (0 = torch default)")
+    o.add_argument("--device", default="cpu", help="where the target and the draft run: cpu or cuda[:N] (--arch "
+                   "eagle: answers, features, training and evaluation; --arch llama: --eval-only)")
     eagle_cli.add_arguments(p)
     return p
 
@@ -107,17 +109,18 @@ def run_eval(draft_dir: Path, target_spec: str, args, corpus: Corpus | None = No
     tokenizer = tokenizer or load_tokenizer(target_spec)
     corpus = corpus or Corpus.build(args.heldout_pct, args.corpus_limit, args.seed)
     prompts = heldout_prompts(corpus, tokenizer, args.eval_prompts, args.heldout_chat_pct)
-    target = load_model(target_spec, dtype=dtype)
+    target = load_model(target_spec, dtype=dtype, device=args.device)
     if is_eagle(draft_dir):
         draft = load_eagle(draft_dir, target, dtype)
     else:
-        draft = load_model(draft_dir, dtype=dtype)  # slices the head to draft_vocab (see loader)
+        draft = load_model(draft_dir, dtype=dtype, device=args.device)  # slices the head to draft_vocab (see loader)
     ids = getattr(draft, "extra", {}).get("draft_vocab")
     token_map = torch.tensor(ids, dtype=torch.long) if ids else None
     print(f"evaluating {draft_dir} against {target_spec} ({args.eval_dtype}) on "
           + ", ".join(f"{len(v)} {k}" for k, v in prompts.items()) + " held-out prompts", flush=True)
     metrics = evaluate(target, draft, token_map, tokenizer, prompts, KS, args.eval_tokens)
     metrics["eval_dtype"] = args.eval_dtype
+    metrics["eval_device"] = str(target.device)
     return metrics
 
 
@@ -182,6 +185,20 @@ def _update_metrics(draft_dir: Path, metrics: dict) -> dict:
     return extra
 
 
+def check_device(args) -> None:
+    """Refuse a --device this machine lacks, or one the llama draft's training cannot use."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise SystemExit(f"--device {args.device}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {args.device}: use cpu or cuda")
+    if device.type != "cpu" and args.arch == "llama" and not args.eval_only:
+        raise SystemExit("--device: the llama draft trains on the CPU only (--arch eagle trains on any device)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if args.write_card and not args.eval_only:
         raise SystemExit("--write-card goes with --eval-only DIR")
+    check_device(args)
     if args.eval_only:
         d = Path(args.eval_only)
         given = eagle_cli.given(argv, "--target")

@@ -44,6 +44,7 @@ def add_arguments(p) -> None:
                    help="stop generating answers after this long (total across resumes)")
     g.add_argument("--gen-batch", type=int, default=24, help="batch size of answer generation")
     g.add_argument("--text-tokens", type=int, default=200_000, help="plain-text tokens prefilled for features")
+    g.add_argument("--feature-batch", type=int, default=16, help="rows per prefill of the teacher features")
     g.add_argument("--cls-weight", type=float, default=0.5, help="CE weight beside the feature regression")
     g.add_argument("--noise", type=float, default=0.1, help="uniform noise on input features")
     g.add_argument("--train-steps", type=int, default=2, choices=[1, 2, 3, 4],
@@ -235,7 +236,8 @@ def run(args, argv: list[str]) -> dict:
     work = Path(args.work or f"{out}.work")
     check_flags(args, argv)
     shape = draft_shape(args)
-    ckpt = torch.load(work / "ckpt.pt", weights_only=False) if args.resume and (work / "ckpt.pt").is_file() else None
+    ckpt = (torch.load(work / "ckpt.pt", weights_only=False, map_location="cpu")  # (a run on another device resumes it)
+            if args.resume and (work / "ckpt.pt").is_file() else None)
     refuse_changed(ckpt_shape(ckpt), shape, "draft shape", "resume with the --eagle-layers and --feature-layers "
                    "it was trained with, or start over without --resume")
     work.mkdir(parents=True, exist_ok=True)
@@ -246,7 +248,7 @@ def run(args, argv: list[str]) -> dict:
     from transformers import AutoConfig
     target_cfg = AutoConfig.from_pretrained(materialize(resolve(args.target)).path)
     check_draft_vocab(args.draft_vocab, target_cfg.vocab_size, special_ids(tok, target_cfg))
-    target = load_model(args.target, dtype=parse_dtype(args.dtype_teacher))
+    target = load_model(args.target, dtype=parse_dtype(args.dtype_teacher), device=args.device)
     check_feature_layers(args.feature_layers, target.args.num_layers)
     corpus = Corpus.build(args.heldout_pct, args.corpus_limit, args.seed)
     eos = tok.eos_token_id if tok.eos_token_id is not None else special_ids(tok, target_cfg)[0]
@@ -271,7 +273,7 @@ def run(args, argv: list[str]) -> dict:
                    "resumes), or start over without --resume")
     target.feature_layers = tuple(args.feature_layers)
     name = "features" + "".join(f"-{i}" for i in args.feature_layers)  # one cache per feature layout
-    cache = FeatureCache.build(target, rows, path=work / f"{name}.pt")
+    cache = FeatureCache.build(target, rows, batch_rows=args.feature_batch, path=work / f"{name}.pt")
     print(f"teacher features: {len(cache.tokens)} rows, {cache.num_tokens} tokens", flush=True)
 
     init = load_eagle(args.init_draft, target, torch.float32) if args.init_draft else None
@@ -330,7 +332,7 @@ def write_model_card(out: Path, extra: dict) -> Path:
         f"- data: {m.get('data', {})}",
         f"- vocabulary: {m.get('vocab', {})}",
         f"- training: {m.get('train', {})}", "",
-        "## Measured on held-out prompts (greedy, CPU, specdec_tools.distill.evaluate)", "",
+        f"## Measured on held-out prompts (greedy, {m.get('eval_device', 'cpu').upper()}, specdec_tools.distill.evaluate)", "",
         f"cost ratio c = {m.get('cost_ratio')} (draft step {m.get('draft_ms')} ms vs target step "
         f"{m.get('target_ms')} ms, batch 1, {m.get('eval_dtype')}); head coverage of the target's tokens "
         f"{m.get('vocab_coverage')}; prompts {m.get('eval_prompts')}, {m.get('eval_max_tokens')} new tokens.", "",

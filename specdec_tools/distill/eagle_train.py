@@ -46,11 +46,13 @@ class FeatureCache:
     @classmethod
     @torch.inference_mode()
     def build(cls, target, rows: list[tuple[str, list[int]]], batch_rows: int = 16, desc: str = "teacher features",
-              path: Path | None = None, save_every: int = 1024) -> "FeatureCache":
-        """Prefill `rows` ((kind, token ids)) through `target`, returned in their order. Rows are
-        cached by content in `path` (saved every `save_every` new rows): a rerun with rows added
-        anywhere, or reordered, prefills only the rows the file lacks. `pred_counts` counts the
-        target's greedy predictions over every row the file holds."""
+              path: Path | None = None, chunk_rows: int = 1024, save_minutes: float = 5.0) -> "FeatureCache":
+        """Prefill `rows` ((kind, token ids)) through `target`, returned in their order, in chunks of
+        `chunk_rows` (each sorted by length). Rows are cached by content in `path` (the whole store is
+        rewritten after a chunk when `save_minutes` have passed since the last save, and at the end:
+        on a GPU a chunk takes seconds and the store gigabytes): a rerun with rows added anywhere, or
+        reordered, prefills only the rows the file lacks. `pred_counts` counts the target's greedy
+        predictions over every row the file holds."""
         from tqdm import tqdm
 
         store = cls.load(path) if path is not None and Path(path).is_file() else \
@@ -58,8 +60,9 @@ class FeatureCache:
         where = {tuple(t.tolist()): j for j, t in enumerate(store.tokens)}
         todo = list({tuple(r): (kind, r) for kind, r in rows if tuple(r) not in where}.values())
         bar = tqdm(total=sum(len(r) for _, r in todo), desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
-        for c in range(0, len(todo), save_every):
-            chunk = todo[c: c + save_every]
+        last_save = time.perf_counter()
+        for c in range(0, len(todo), chunk_rows):
+            chunk = todo[c: c + chunk_rows]
             order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][1]))
             for b in range(0, len(order), batch_rows):
                 idx = order[b: b + batch_rows]
@@ -69,8 +72,10 @@ class FeatureCache:
                     store.feats.append(f)
                     store.kinds.append(chunk[i][0])
                 bar.update(sum(len(chunk[i][1]) for i in idx))
-            if path is not None:
+            last = c + chunk_rows >= len(todo)
+            if path is not None and (last or time.perf_counter() - last_save > 60 * save_minutes):
                 store.save(path)
+                last_save = time.perf_counter()
         bar.close()
         idx = [where[tuple(r)] for _, r in rows]
         return cls([store.tokens[j] for j in idx], [store.feats[j] for j in idx], [k for k, _ in rows],
@@ -83,19 +88,21 @@ class FeatureCache:
             tokens[r, : len(ids)] = torch.tensor(ids)
         if target.num_slots < len(rows) or target.max_len < T or target.layers[0].self_attn.kv_cache is None:
             target.setup_cache(max(len(rows), target.num_slots), max(T, target.max_len))
+        dev = target.device
         exact, target.exact_positions = target.exact_positions, False  # SDPA: 2-3x faster prefill here;
         try:  # features for training need no bit-exactness across forward shapes
-            h = target.hidden_states(tokens, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long),
-                                     taps=True)
+            h = target.hidden_states(tokens.to(dev), torch.arange(len(rows), device=dev),
+                                     torch.zeros(len(rows), dtype=torch.long, device=dev), taps=True)
         finally:
             target.exact_positions = exact
-        pred = target.lm_head(h[..., -target.args.hidden_size:]).argmax(-1)  # [b, T] the target's greedy tokens: ranks the draft vocabulary
+        pred = target.lm_head(h[..., -target.args.hidden_size:]).argmax(-1).cpu()  # [b, T] the target's greedy tokens: ranks the draft vocabulary
+        h = h.to(torch.bfloat16).cpu()  # [b, T, (taps + 1) * hidden] the cache lives in host memory
         toks, feats = [], []
         for r, ids in enumerate(rows):
             n = len(ids)
             self.pred_counts += torch.bincount(pred[r, :n], minlength=len(self.pred_counts))
             toks.append(tokens[r, :n].clone())
-            feats.append(h[r, :n].to(torch.bfloat16).clone())
+            feats.append(h[r, :n].clone())
         return toks, feats
 
     def save(self, path: Path) -> None:
@@ -261,15 +268,19 @@ class EagleTrainer:
         return groups
 
     def noise_generator(self) -> torch.Generator:
-        """The generator of this step's input noise, seeded by (seed, step)."""
-        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
+        """The generator of this step's input noise, seeded by (seed, step), on the draft's device."""
+        return torch.Generator(self.device).manual_seed(self.cfg.seed * 1_000_003 + self.step)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
 
     def train_step(self, rows: list[int]) -> dict:
-        feats, tokens, mask = _collate(self.cache, rows)
+        feats, tokens, mask = (t.to(self.device, non_blocking=True) for t in _collate(self.cache, rows))
         lr = self.cfg.lr * lr_factor(self.step, self.progress(), self.cfg.warmup, self.cfg.min_lr_ratio)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.amp):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp):
             loss, info = eagle_loss(self.draft, feats, tokens, mask, self.cfg, generator=self.noise_generator())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

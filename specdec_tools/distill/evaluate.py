@@ -70,19 +70,23 @@ def acceptance(target, draft, token_map, tokenizer, prompts: list[list[int]], k:
 
 @torch.inference_mode()
 def forward_ms(model, ctx: int = 128, reps: int = 20) -> list[float]:
-    """Batch-1 times (ms) of one new token after a `ctx`-token context."""
+    """Batch-1 times (ms) of one new token after a `ctx`-token context, on the model's device."""
+    dev = model.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model.setup_cache(1, ctx + 8)
-    slot = torch.zeros(1, dtype=torch.long)
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
 
     def kw(T: int) -> dict:  # an EAGLE draft also reads one feature per token
-        return {"features": torch.zeros(1, T, model.args.hidden_size)} if isinstance(model, EagleDraft) else {}
+        return {"features": torch.zeros(1, T, model.args.hidden_size, device=dev)} if isinstance(model, EagleDraft) else {}
 
-    model(torch.ones(1, ctx, dtype=torch.long), slot, torch.zeros(1, dtype=torch.long), **kw(ctx))
+    model(torch.ones(1, ctx, dtype=torch.long, device=dev), slot, torch.zeros(1, dtype=torch.long, device=dev), **kw(ctx))
     out = []
-    one = kw(1)
+    one, token, pos = kw(1), torch.ones(1, 1, dtype=torch.long, device=dev), torch.full((1,), ctx, dtype=torch.long, device=dev)
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
-        model(torch.ones(1, 1, dtype=torch.long), slot, torch.full((1,), ctx, dtype=torch.long), **one)
+        model(token, slot, pos, **one)
+        sync()
         out.append(1000 * (time.perf_counter() - t0))
     return out
 
