@@ -43,15 +43,13 @@ def read_packed(paths: list[Path], temperatures: set[float], prompt_tail: int, t
     """Segments of packed files (specdec_tools.distill.packed): a corpus's whole, the answers'
     at `temperatures` after their prompts' tails, less those whose prompt holds an `excluded` text
     or names a held-out chat topic (`heldout_chat_pct`: the distillation's split)."""
-    from specdec_tools.distill import chat
     from specdec_tools.distill.eagle_cli import held_out_free
     from specdec_tools.distill.packed import unpack
     answers = []
-    heldout = chat.split_topics(heldout_chat_pct)[1]
     for path in paths:
         records = unpack(path)
         records = [r for r in records if r["kind"] == "corpus"] + held_out_free(
-            [r for r in records if r["kind"] != "corpus"], tokenizer, heldout)
+            [r for r in records if r["kind"] != "corpus"], tokenizer, heldout_chat_pct)
         for r in tqdm(records, desc=path.name, unit=" answers"):
             if r["kind"] == "corpus":  # (already a segment, prompt tail included)
                 answers.append(r["output"])

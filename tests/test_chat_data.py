@@ -15,6 +15,7 @@ from specdec_tools.distill.eagle_cli import _temperatures
 def five_topics(monkeypatch):
     """Five everyday topics: at --heldout-chat-pct 30, three train and two are held out."""
     monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})
+    monkeypatch.setattr(chat, "MORE_TOPICS", {})
 
 
 def _pipeline_args(tiny_dir, chat_answers: int, follow_up_frac: float = 0.0) -> list[str]:
@@ -162,3 +163,33 @@ def test_a_lookup_corpus_reads_as_packed_answers(tmp_path):
     NgramCorpus.save(tmp_path / "c.npz", [[5, 6, 7], [8, 9]], vocab_size=16)
     assert [(r["kind"], r["prompt"], r["output"]) for r in packed.unpack(tmp_path / "c.npz")] == [
         ("corpus", [], [5, 6, 7]), ("corpus", [], [8, 9])]
+
+
+def test_chat_topics_more_draws_its_prompts_from_the_second_list(tiny_dir, tmp_path, one_thread, monkeypatch):
+    """--chat-topics more: the questions (and so the answers) are about the second list's training
+    topics only; base (the default) stays on the first list."""
+    monkeypatch.setattr(chat, "TOPICS", {"x": ["baking bread", "chess", "yoga", "deserts", "bees"]})
+    monkeypatch.setattr(chat, "MORE_TOPICS", {"y": ["owls", "comets", "tennis", "kites", "jigsaw puzzles"]})
+    train_more = set(chat.split_topics(30, "more")[0])
+    assert train_more and train_more <= set(chat.MORE_TOPICS["y"])
+    for topics, want in (("more", train_more), ("base", set(chat.split_topics(30)[0]))):
+        work = tmp_path / f"{topics}.work"
+        main([*_pipeline_args(tiny_dir, chat_answers=8), "--out", str(tmp_path / topics), "--chat-topics", topics])
+        assert {r["topic"] for r in read_jsonl(work / "questions.jsonl")} == want
+
+
+def test_the_second_topic_list_is_split_like_the_first_and_leaks_into_neither():
+    """MORE_TOPICS: no topic in both lists; its held-out share by the same rule; no training topic of
+    either list names a held-out topic of either (its prompts would leak it); `heldout_topics`, what
+    training filters on, holds both lists' held-out topics; evaluation's generic prompts stay on the
+    first list's, so figures compare across runs."""
+    from specdec_tools.distill.evaluate import generic_prompts
+    base, more = chat.all_topics("base"), chat.all_topics("more")
+    assert not set(base) & set(more) and len(more) == len(set(more)) and chat.all_topics("all") == base + more
+    train_more, held_more = chat.split_topics(15, "more")
+    assert 0.08 < len(held_more) / len(more) < 0.25
+    held = chat.heldout_topics(15)
+    assert set(held) == set(chat.split_topics(15)[1]) | set(held_more)
+    assert [t for t in chat.split_topics(15, "all")[0] if chat.mentioned_topic(t, held)] == []
+    assert {it.topic for it in chat.seed_prompts(train_more, 3)} == set(train_more)
+    assert {it.topic for it in generic_prompts(32)} <= set(chat.split_topics(15)[1])

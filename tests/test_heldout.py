@@ -56,18 +56,19 @@ def test_questions_naming_a_held_out_topic_are_rejected():
 
 
 def test_training_rows_leave_out_user_questions_naming_held_out_topics(demo_tok):
-    _, heldout = chat.split_topics()
+    assert "owls" in chat.heldout_topics() and "owls" in chat.all_topics("more")
 
     def record(*turns):
         msgs = [{"role": r, "content": c} for r, c in zip(["user", "assistant"] * 2, turns)]
         return {"prompt": encode_chat(demo_tok, msgs), "output": [1, 2], "kind": "follow-up"}
 
     leaked = record("Why do electric cars need so much electricity?")
+    leaked_more = record("How do owls hunt at night?")  # "owls": a held-out topic of the second list
     answered = record("Tell me about the ocean.", "The ocean is home to whales and bees fly above it.",
                       "Why is that?")  # the target's own answer may name anything
     plain = record("How do I start running?")
     assert chat.user_text(demo_tok, answered["prompt"]) == "Tell me about the ocean.\nWhy is that?"
-    assert held_out_free([leaked, answered, plain], demo_tok, heldout) == [answered, plain]
+    assert held_out_free([leaked, answered, leaked_more, plain], demo_tok) == [answered, plain]
 
 
 @pytest.mark.parametrize("pct", [10, 15, 25])

@@ -67,6 +67,86 @@ TOPICS: dict[str, list[str]] = {
                     "sorting algorithms", "REST APIs", "debugging"],
 }
 
+# A second, broader list (2026-12-08): the shipped draft accepted 0.632 of its first drafts on new tasks about
+# training topics and 0.575 on the held-out topics (k = 1; 0.406 / 0.348 at k = 3), so a topic the draft has
+# not seen costs acceptance, and users talk about everything. `--chat-topics more|all` trains on it; its
+# held-out topics (the same crc32 rule) are kept out of training with the first list's, and evaluation
+# stays on the first list's held-out topics, so figures compare across runs.
+MORE_TOPICS: dict[str, list[str]] = {
+    "everyday life": ["decluttering a closet", "grocery shopping lists", "ironing shirts", "fixing a squeaky door",
+                      "getting up early", "hosting a dinner party", "living with roommates", "small talk",
+                      "keeping houseplants alive", "organizing a desk", "writing a to-do list", "public transport etiquette",
+                      "waiting in long queues", "lost luggage", "recycling at home", "buying a used car"],
+    "food and cooking": ["making pancakes", "grilling vegetables", "homemade pizza dough", "storing leftovers",
+                         "cooking pasta", "making salad dressing", "baking cookies", "sourdough starters",
+                         "herbs and their uses", "cooking eggs", "tea varieties", "chocolate", "homemade jam",
+                         "street food", "cooking for one person", "packing school lunches"],
+    "health and fitness": ["sleep hygiene", "sunscreen", "warming up before exercise", "back pain", "allergies",
+                           "eating more vegetables", "hiking fitness", "dental care", "eye strain from screens",
+                           "first aid for cuts", "cutting down on sugar", "swimming technique", "cycling to work",
+                           "resting after a workout", "seasonal flu shots", "mindful eating"],
+    "travel": ["airport security", "hostels", "travelling alone", "visiting Paris", "learning to read maps",
+               "souvenirs", "cruise holidays", "backpacking in South America", "long flights",
+               "staying safe while travelling", "renting a car abroad", "visiting national parks",
+               "taking pictures on holiday", "city breaks", "exchanging money abroad", "overnight buses"],
+    "science": ["gravity", "sound waves", "the periodic table", "earthquakes", "bacteria and viruses",
+                "the human heart", "the brain", "weather fronts", "ocean tides", "solar energy", "friction",
+                "chemical reactions", "the greenhouse effect", "fossils", "the solar system", "static charge",
+                "how vaccines work", "cells", "light and colour", "the nitrogen cycle"],
+    "history": ["the Vikings", "the Great Wall of China", "the Aztecs", "the Cold War", "ancient Greece",
+                "the invention of writing", "the Ottoman Empire", "the history of money", "the Wright brothers",
+                "the abolition of slavery", "the Olympic Games in antiquity", "the Black Death", "the samurai",
+                "the history of the bicycle", "the Mayan calendar", "the first computers"],
+    "geography and nature": ["rivers and deltas", "glaciers", "islands", "savannas", "wetlands", "caves",
+                             "the Sahara", "the Himalayas", "monsoons", "tides and coastlines", "wolves",
+                             "butterflies", "octopuses", "mushrooms", "wildflowers", "owls"],
+    "language and writing": ["writing a resume", "punctuation", "writing a book review", "persuasive essays",
+                             "learning French", "idioms in English", "writing dialogue", "editing your own writing",
+                             "sign language", "learning Mandarin", "writing a toast", "note-taking",
+                             "storytelling", "writing a complaint letter", "reading aloud to children", "haiku"],
+    "work and money": ["writing a business plan", "freelancing", "taxes for beginners", "credit cards",
+                       "emergency funds", "changing careers", "public speaking at work", "dealing with a difficult boss",
+                       "inflation", "index funds", "paying off debt", "networking events", "work-life balance",
+                       "remote team communication", "salary negotiation", "renting versus buying a home"],
+    "technology": ["email spam", "two-factor authentication", "computer viruses", "streaming services",
+                   "smart home devices", "how search engines work", "social media privacy", "online shopping safety",
+                   "video calls", "choosing a laptop", "solar panels", "robots", "virtual reality",
+                   "how touchscreens work", "digital photos storage", "keyboard shortcuts"],
+    "arts and culture": ["watercolour painting", "opera", "street art", "sculpture", "learning the guitar",
+                         "writing songs", "dance styles", "comic books", "pottery", "architecture",
+                         "folk tales", "calligraphy", "origami", "musicals", "podcasts", "poetry readings"],
+    "family and relationships": ["planning a family holiday", "screen time for kids", "teaching children to save money",
+                                 "grandparents", "first dates", "setting boundaries", "supporting a grieving friend",
+                                 "twins", "potty training", "family game night", "making new neighbours welcome",
+                                 "helping with homework", "blended families", "thank-you gifts for teachers",
+                                 "celebrating anniversaries", "reconnecting with old friends"],
+    "hobbies and sports": ["tennis", "basketball", "rock climbing", "skiing", "sewing", "woodworking",
+                           "jigsaw puzzles", "stamp collecting", "running a marathon", "kayaking", "golf",
+                           "baking as a hobby", "crossword puzzles", "model trains", "skateboarding", "table tennis"],
+    "math and logic": ["ratios", "negative numbers", "the Pythagorean theorem", "statistics basics",
+                       "multiplication tables", "decimals", "area and perimeter", "binary numbers",
+                       "patterns in sequences", "estimating", "graphs and charts", "units of measurement"],
+    "programming": ["Python lists", "linked lists", "hash tables", "HTML and CSS", "Docker containers",
+                    "code reviews", "variables and types", "loops", "APIs and JSON", "binary search",
+                    "command line basics", "functional programming", "memory leaks", "concurrency"],
+    "animals and pets": ["cats", "training a puppy", "goldfish", "hamsters", "horses", "parrots", "elephants",
+                         "penguins", "sharks", "ants", "frogs", "dolphins", "bats", "snakes", "tortoises", "foxes"],
+    "space": ["Mars", "the International Space Station", "comets", "telescopes", "the Sun", "Jupiter",
+              "astronauts", "satellites", "the Big Bang", "eclipses", "meteor showers", "exoplanets"],
+    "home and DIY": ["painting a room", "unclogging a drain", "hanging shelves", "insulating a house",
+                     "choosing paint colours", "basic plumbing", "building a birdhouse", "fixing a leaky tap",
+                     "cleaning windows", "assembling flat-pack furniture", "tiling a bathroom", "composting"],
+    "society and civics": ["voting", "how laws are made", "volunteering", "local government", "human rights",
+                           "recycling programs", "public libraries", "jury duty", "charity donations",
+                           "community gardens", "the United Nations", "freedom of the press"],
+    "psychology and learning": ["motivation", "procrastination", "memory techniques", "habits", "confidence",
+                                "learning a new skill", "dealing with failure", "curiosity", "focus and attention",
+                                "emotional intelligence", "study techniques", "growth mindset"],
+    "environment and weather": ["plastic pollution", "thunderstorms", "hurricanes", "snow", "air quality",
+                                "endangered species", "wind power", "saving water", "deforestation",
+                                "fog", "heat waves", "ocean conservation"],
+}
+
 TASKS = [
     "Explain {t} in simple terms.", "What are the most important things to know about {t}?",
     "Give me three practical tips about {t}.", "Explain {t} to a ten-year-old.",
@@ -111,8 +191,20 @@ class ChatItem:
     messages: tuple[dict, ...]
 
 
-def all_topics() -> list[str]:
-    return [t for ts in TOPICS.values() for t in ts]
+TOPIC_SETS = ("all", "base", "more")
+
+
+def topic_lists(topic_set: str = "base") -> list[dict[str, list[str]]]:
+    """The topic lists (domain -> topics) a topic set draws from: base = TOPICS, more = MORE_TOPICS."""
+    return {"base": [TOPICS], "more": [MORE_TOPICS], "all": [TOPICS, MORE_TOPICS]}[topic_set]
+
+
+def all_topics(topic_set: str = "base") -> list[str]:
+    return [t for d in topic_lists(topic_set) for ts in d.values() for t in ts]
+
+
+def _in_domain(topic: str, domain: str) -> bool:
+    return any(topic in d.get(domain, ()) for d in topic_lists("all"))
 
 
 def is_heldout_topic(topic: str, pct: int = 15) -> bool:
@@ -142,9 +234,9 @@ def seed_prompts(topics: list[str], seed: int = 0) -> list[ChatItem]:
     for t in topics:
         for task in rng.sample(TASKS, 10):
             out.append(_user(t, "task", task.format(t=t)))
-        if t in TOPICS.get("math and logic", ()):
+        if _in_domain(t, "math and logic"):
             out += [_user(t, "math", _math(rng)) for _ in range(4)]
-        if t in TOPICS.get("programming", ()):
+        if _in_domain(t, "programming"):
             out += [_user(t, "code", f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_TASKS)}.")
                     for _ in range(3)]
             out.append(_user(t, "code", f"Explain {t} with a short {rng.choice(LANGUAGES)} example."))
@@ -287,7 +379,12 @@ def follow_ups(items: list[ChatItem], answers: list[str], seed: int = 0) -> list
             for it, a in zip(items, answers) if a.strip()]
 
 
-def split_topics(heldout_pct: int = 15) -> tuple[list[str], list[str]]:
-    """(training topics, held-out topics)."""
-    ts = all_topics()
+def split_topics(heldout_pct: int = 15, topic_set: str = "base") -> tuple[list[str], list[str]]:
+    """(training topics, held-out topics) of a topic set (`TOPIC_SETS`)."""
+    ts = all_topics(topic_set)
     return [t for t in ts if not is_heldout_topic(t, heldout_pct)], [t for t in ts if is_heldout_topic(t, heldout_pct)]
+
+
+def heldout_topics(heldout_pct: int = 15) -> list[str]:
+    """Every held-out topic of every list: what no training prompt may name, whichever list a run draws from."""
+    return split_topics(heldout_pct, "all")[1]

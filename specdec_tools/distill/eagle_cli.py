@@ -73,6 +73,9 @@ def add_arguments(p) -> None:
                    help="seed of the everyday-chat data alone (task templates, self-instruct questions, order, "
                    "sampled answers; default --seed): another value makes new conversations about the same "
                    "training topics, leaving the held-out split and the code data as they were")
+    c.add_argument("--chat-topics", choices=chat.TOPIC_SETS, default="base",
+                   help="which topic list the chat prompts are about (specdec_tools.distill.chat: TOPICS is 'base', "
+                   "MORE_TOPICS 'more'); the held-out topics of both stay out of training either way")
     c.add_argument("--questions-per-topic", type=int, default=6, help="self-instruct questions per topic")
     c.add_argument("--sampled-frac", type=float, default=0.5,
                    help="share of chat answers sampled (half at temperature 0.7, half at 1.0), the rest greedy")
@@ -150,17 +153,19 @@ def refuse_changed(then: dict, now: dict, what: str, remedy: str) -> None:
                          f"({'; '.join(changed)}): {remedy}")
 
 
-def held_out_free(answers: list[dict], tok, heldout_topics: list[str]) -> list[dict]:
-    """`answers` without those whose prompt names a held-out chat topic (chat.mentioned_topic):
-    questions written before that filter existed, and packed data of earlier runs."""
-    kept = [r for r in answers if not chat.mentioned_topic(chat.user_text(tok, r["prompt"]), heldout_topics)]
+def held_out_free(answers: list[dict], tok, heldout_pct: int = 15) -> list[dict]:
+    """`answers` without those whose prompt names a held-out chat topic of any topic list
+    (chat.heldout_topics, chat.mentioned_topic): questions written before that filter existed, and
+    packed data of earlier runs."""
+    heldout = chat.heldout_topics(heldout_pct)
+    kept = [r for r in answers if not chat.mentioned_topic(chat.user_text(tok, r["prompt"]), heldout)]
     if len(kept) < len(answers):
         print(f"{len(answers) - len(kept)} answers left out: their prompts name held-out topics", flush=True)
     return kept
 
 
 def training_rows(args, corpus: Corpus, tok, eos: int, answers: list[dict]) -> list[tuple[str, list[int]]]:
-    answers = held_out_free(answers, tok, chat.split_topics(args.heldout_chat_pct)[1])
+    answers = held_out_free(answers, tok, args.heldout_chat_pct)
     rows = [(r["kind"], r["prompt"] + r["output"]) for r in sorted(answers, key=lambda r: r["i"])]
     text = TextMix(corpus.train, tok, args.seq_len, eos, args.prose_frac, seed=args.seed)
     rng = random.Random(args.seed)
@@ -194,7 +199,8 @@ def _temperatures(n: int, sampled_frac: float) -> list[float]:
 def chat_rows(args, target, tok, work: Path) -> list[dict]:
     """Answers to everyday-chat prompts of the training topics (seed tasks, self-instruct
     questions, then second turns), resumable in `work`; returns their answer records."""
-    train_topics, heldout_topics = chat.split_topics(args.heldout_chat_pct)
+    train_topics = chat.split_topics(args.heldout_chat_pct, args.chat_topics)[0]
+    heldout_topics = chat.heldout_topics(args.heldout_chat_pct)
     seed = args.seed if args.chat_seed is None else args.chat_seed
     offset = 0 if seed == args.seed else 10_000_019 * seed  # answers' sampling seeds
     questions = chat.self_instruct(target, tok, train_topics, args.questions_per_topic, work / "questions.jsonl",
