@@ -1,7 +1,7 @@
 """Everyday-chat training prompts: what users ask about, not what the standard library documents.
 
 No dataset can be downloaded here, so the prompts are made: a broad seed list of topics in many
-domains, crossed with task kinds (explain, advise, list, compare, write, rewrite, summarize,
+domains (TOPICS, and a second list MORE_TOPICS for `--chat-topics more|all`), crossed with task kinds (explain, advise, list, compare, write, rewrite, summarize,
 explain to a child, ...), plus generated ones: math word problems, translation requests, code in
 several languages, and questions the target itself writes about each topic (self-instruct, Wang
 et al. 2023: the target is asked for user questions at temperature 0.8, with three example
