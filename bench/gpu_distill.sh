@@ -6,7 +6,7 @@
 #   bash bench/gpu_prepare.sh            # here, once: what the device call carries (see that file)
 #   bash bench/gpu_distill.sh [OUTDIR]   # there
 #
-# `specdec-distill --device cuda` generates the target's answers (seed-3 task templates, self-instruct
+# `specdec-distill --device cuda` generates the target's answers (seed-3 task templates about both topic lists, self-instruct
 # questions, second turns and resampled answers about the training topics; the held-out topics stay
 # out), packs them into OUTDIR/chat-seed3.npz as soon as they exist (so they come back even if a later
 # stage runs out of time), prefills the teacher features over them and every packed file of earlier
@@ -21,8 +21,8 @@
 step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"'
 step distill "${DISTILL_S:-540}" python3 -m specdec_tools.distill --device cuda --arch eagle --target smollm2 \
   --out "$out/eagle-gpu" --work /tmp/eagle-gpu.work --init-draft specdec/drafts/smollm2-eagle --init-vocab \
-  --feature-layers 2,14 --answers 0 --chat-answers 40000 --chat-seed 3 --chat-minutes "${DISTILL_CHAT_MIN:-3}" \
-  --questions-per-topic 40 --resample-minutes 1 --gen-batch 256 --gen-tokens 256 --text-tokens 200000 \
+  --feature-layers 2,14 --answers 0 --chat-answers 40000 --chat-topics all --chat-seed 3 --chat-minutes "${DISTILL_CHAT_MIN:-3}" \
+  --questions-per-topic 12 --resample-minutes 1 --gen-batch 256 --gen-tokens 256 --text-tokens 200000 \
   --data distill_data/smollm2/chat-seed1.npz distill_data/smollm2/chat-seed2.npz \
   specdec/drafts/smollm2-corpus/corpus.npz --pack-data "$out/chat-seed3.npz" \
   --feature-batch 64 --batch-tokens 16384 --lr 3e-4 --minutes "${DISTILL_TRAIN_MIN:-1}" --train-steps 4 \
