@@ -24,7 +24,7 @@ step distill "${DISTILL_S:-540}" python3 -m specdec_tools.distill --device cuda 
   --feature-layers 2,14 --answers 0 --chat-answers 40000 --chat-topics all --chat-seed 3 --chat-minutes "${DISTILL_CHAT_MIN:-3}" \
   --questions-per-topic 12 --resample-minutes 1 --gen-batch 256 --gen-tokens 256 --text-tokens 200000 \
   --data distill_data/smollm2/chat-seed1.npz distill_data/smollm2/chat-seed2.npz \
-  specdec/drafts/smollm2-corpus/corpus.npz --pack-data "$out/chat-seed3.npz" \
+  distill_data/smollm2/chat-seed3-more.npz specdec/drafts/smollm2-corpus/corpus.npz --pack-data "$out/chat-seed3.npz" \
   --feature-batch 64 --batch-tokens 16384 --lr 3e-4 --minutes "${DISTILL_TRAIN_MIN:-1}" --train-steps 4 \
   --save-minutes 0.5 --eval-prompts 0 --resume
 ls -la "$out" "$out/eagle-gpu" 2>&1
