@@ -33,8 +33,7 @@ def topic_sets(n: int) -> dict[str, list]:
     seen = {str(it.messages) for seed in (0, 1, 2) for it in chat.seed_prompts(train, seed)}
     fresh = {str(it.messages): it for seed in (7, 8, 9) for it in chat.seed_prompts(train, seed)
              if it.kind == "task" and str(it.messages) not in seen}
-    more = [it for it in chat.seed_prompts(chat.split_topics(15, "more")[1], seed=1) if it.kind == "task"]
-    return {"held-out, first list": generic_prompts(n), "held-out, second list": more[:n],
+    return {"held-out, first list": generic_prompts(n), "held-out, second list": generic_prompts(n, topic_set="more"),
             "training topics, new tasks": list(fresh.values())[:n]}
 
 

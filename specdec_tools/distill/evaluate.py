@@ -45,11 +45,11 @@ def heldout_prompts(corpus: Corpus, tokenizer, n: int, generic_pct: int = 15,
     return {"chat": chat[:n_chat], "code": code[: n - n_chat], "generic": generic}
 
 
-def generic_prompts(n: int, pct: int = 15) -> list[ChatItem]:
-    """n everyday-chat tasks about held-out topics. Only the tasks about a topic: rewrites, math
-    and code requests are the same whatever the topic, so they are training prompts too (5 of the
-    32 were, before this filter)."""
-    _, topics = generic_split(pct)
+def generic_prompts(n: int, pct: int = 15, topic_set: str = "base") -> list[ChatItem]:
+    """n everyday-chat tasks about the held-out topics of `topic_set` (the card's generic set: the
+    first list's). Only the tasks about a topic: rewrites, math and code requests are the same
+    whatever the topic, so they are training prompts too (5 of the 32 were, before this filter)."""
+    _, topics = generic_split(pct, topic_set)
     return [it for it in seed_prompts(topics, seed=1) if it.kind == "task"][:n]
 
 
