@@ -4,7 +4,9 @@ A `SlotTable` maps sequence ids to KV-cache slots (lowest free slot first, so a 
 occupies a contiguous range that attention reads by slicing) and remembers how many positions of
 each slot hold valid keys/values. `run_ragged` runs rows with different numbers of new tokens:
 short rows (decode/verify) share one padded forward, long rows (prefills) run on their own so a
-long prompt never pads the whole batch.
+long prompt never pads the whole batch, in chunks of `PREFILL_CHUNK` positions (chunked prefill,
+as vLLM's): a chunk attends to the cache and to itself, so a prompt of T tokens computes the
+T^2 / 2 causal scores instead of all T^2 of one call, and no call holds a T x T score matrix.
 """
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from specdec import envs
+
 SHORT_ROW = 16  # rows with at most this many new tokens are batched together
+# Positions per forward of a long row. The demo target (bf16 and float32, 2 cores), a prompt whole /
+# in chunks of 64, 128, 192, 256: 1,024 tokens 3.0 / 1.4 / 1.1 / 1.3 / 1.5 s; 2,048 tokens 11.3 / 3.5 /
+# 3.4 / 4.1 / 4.8 s (bf16); 200 tokens 0.22 s whole, 0.18 s in chunks of 128 (bench/prefill_chunks.py).
+PREFILL_CHUNK = envs.PREFILL_CHUNK
 EVICT_IDLE_S = 30.0  # a full table may take back a slot that no round has touched for this long
 WAITER_FORGET_S = 2.0  # a refused sequence keeps its place in line while its router resends it this often
 
@@ -170,35 +178,80 @@ def run_ragged(model, feeds: list[list[int]], slots: list[int], starts: list[int
     siblings[i]: k > 0 when the last token of feeds[i] is a sibling of the first of the k drafts
     before it (a draft tree: same position, does not see the chain), else 0.
     """
-    device = model.device
     n_hidden = n_hidden or n_logits
     out_logits: list[Tensor | None] = [None] * len(feeds)
     out_hidden: list[Tensor | None] = [None] * len(feeds)
     short = [i for i, f in enumerate(feeds) if len(f) <= SHORT_ROW]
-    groups = ([short] if short else []) + [[i] for i, f in enumerate(feeds) if len(f) > SHORT_ROW]
-    for rows in groups:
-        T = max(len(feeds[i]) for i in rows)
-        n = max(n_logits[i] for i in rows)
-        nh = max(max(n_hidden[i], n_logits[i]) for i in rows) if return_hidden else 0
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        for r, i in enumerate(rows):
-            tokens[r, : len(feeds[i])] = torch.tensor(feeds[i])
-        kw = {}
-        if features is not None:
-            feats = torch.zeros(len(rows), T, features[rows[0]].shape[-1], dtype=model.dtype)
-            for r, i in enumerate(rows):
-                feats[r, : len(feeds[i])] = features[i]
-            kw["features"] = feats.to(device)
-        last = torch.tensor([len(feeds[i]) - 1 for i in rows])
-        if siblings is not None and any(siblings[i] for i in rows):
-            kw["sibling"] = torch.tensor([[len(feeds[i]) - 1 if siblings[i] else -1, siblings[i]] for i in rows],
-                                         device=device)
-        logits, hidden = model(tokens.to(device), torch.tensor([slots[i] for i in rows], device=device),
-                               torch.tensor([starts[i] for i in rows], device=device), last.to(device), n,
-                               nh, **kw)
-        H = hidden.shape[1]
-        for r, i in enumerate(rows):  # the row's logits are the last n_logits[i] of the n computed
-            out_logits[i] = logits[r, n - n_logits[i]:]
-            if return_hidden:
-                out_hidden[i] = hidden[r, H - max(n_hidden[i], n_logits[i]):]
+    if short:
+        _run_rows(model, short, feeds, slots, starts, n_logits, return_hidden, n_hidden, features, siblings,
+                  out_logits, out_hidden)
+    for i in (i for i, f in enumerate(feeds) if len(f) > SHORT_ROW):
+        _run_long(model, i, feeds, slots, starts, n_logits, return_hidden, n_hidden, features, siblings,
+                  out_logits, out_hidden)
     return (out_logits, out_hidden) if return_hidden else out_logits
+
+
+def chunk_bounds(start: int, length: int, tail: int, size: int | None = None) -> list[tuple[int, int]]:
+    """Positions [a, b) of each forward of a row feeding `length` tokens from `start`: cut at the
+    multiples of `size`, none inside the last `tail` positions (the logits the round reads, a draft
+    chain and its sibling, stay in one call). The cuts depend on the positions only: a prompt is
+    cut alike whether drafts follow it or not, so its keys and values are the same."""
+    size = size or PREFILL_CHUNK
+    end = start + length
+    cuts = range((start // size + 1) * size, end - tail + 1, size)
+    bounds = [start, *cuts, end]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _run_long(model, i: int, feeds, slots, starts, n_logits, return_hidden, n_hidden, features, siblings,
+              out_logits, out_hidden) -> None:
+    """One long row, chunk by chunk (`chunk_bounds`): the last chunk's call gives its logits, each
+    call the features of its positions among the row's last n_hidden."""
+    start, feed = starts[i], feeds[i]
+    end = start + len(feed)
+    nh = max(n_hidden[i], n_logits[i]) if return_hidden else 0
+    pieces = []
+    for a, b in chunk_bounds(start, len(feed), max(n_logits[i], 1)):
+        final = b == end
+        one = [feed[a - start: b - start]]
+        kept = max(0, b - max(a, end - nh))  # of this chunk's positions, features the caller wants
+        logit, hidden = [None], [None]
+        _run_rows(model, [0], one, [slots[i]], [a], [n_logits[i] if final else 1], return_hidden,
+                  [max(kept, 1)], None if features is None else [features[i][a - start: b - start]],
+                  None if siblings is None else [siblings[i] if final else 0], logit, hidden)
+        if return_hidden and kept:
+            pieces.append(hidden[0][-kept:])
+        if final:
+            out_logits[i] = logit[0]
+    if return_hidden:
+        out_hidden[i] = torch.cat(pieces)
+
+
+def _run_rows(model, rows: list[int], feeds, slots, starts, n_logits, return_hidden, n_hidden, features, siblings,
+              out_logits, out_hidden) -> None:
+    """One padded forward of `rows` (indices into the lists), filling out_logits / out_hidden."""
+    device = model.device
+    T = max(len(feeds[i]) for i in rows)
+    n = max(n_logits[i] for i in rows)
+    nh = max(max(n_hidden[i], n_logits[i]) for i in rows) if return_hidden else 0
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for r, i in enumerate(rows):
+        tokens[r, : len(feeds[i])] = torch.tensor(feeds[i])
+    kw = {}
+    if features is not None:
+        feats = torch.zeros(len(rows), T, features[rows[0]].shape[-1], dtype=model.dtype)
+        for r, i in enumerate(rows):
+            feats[r, : len(feeds[i])] = features[i]
+        kw["features"] = feats.to(device)
+    last = torch.tensor([len(feeds[i]) - 1 for i in rows])
+    if siblings is not None and any(siblings[i] for i in rows):
+        kw["sibling"] = torch.tensor([[len(feeds[i]) - 1 if siblings[i] else -1, siblings[i]] for i in rows],
+                                     device=device)
+    logits, hidden = model(tokens.to(device), torch.tensor([slots[i] for i in rows], device=device),
+                           torch.tensor([starts[i] for i in rows], device=device), last.to(device), n,
+                           nh, **kw)
+    H = hidden.shape[1]
+    for r, i in enumerate(rows):  # the row's logits are the last n_logits[i] of the n computed
+        out_logits[i] = logits[r, n - n_logits[i]:]
+        if return_hidden:
+            out_hidden[i] = hidden[r, H - max(n_hidden[i], n_logits[i]):]

@@ -76,6 +76,19 @@ def test_greedy_identity_tiny(tiny, kind, k):
     assert single == ref
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_greedy_identity_with_prompts_prefilled_in_chunks(tiny, kind, monkeypatch):
+    """Prompts longer than the prefill chunk (cut at 24 here; one prompt long enough for several
+    chunks, drafts riding on the last one): speculative output still equals plain decoding's."""
+    from specdec import runner
+    monkeypatch.setattr(runner, "PREFILL_CHUNK", 24)
+    target, draft, tok = tiny
+    prompts = [tok(p * 5).input_ids for p in PROMPTS]
+    assert max(map(len, prompts)) > 3 * 24
+    ref = outputs(make_engine(target, "none", tok=tok), prompts, greedy())
+    assert outputs(make_engine(target, kind, draft, tok, k=3), prompts, greedy()) == ref
+
+
 def test_self_draft_accepts_everything(tiny):
     target, _, tok = tiny
     eng = make_engine(target, "draft", load_model(target.source), tok, k=4)

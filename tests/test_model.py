@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specdec.loader import ModelLoadError, load_hf_model, load_model, resolve
-from specdec.runner import SlotTable, run_ragged
+from specdec import runner
+from specdec.runner import SlotTable, chunk_bounds, run_ragged
 
 
 def _ref_logits(hf, ids):
@@ -61,6 +62,43 @@ def test_rollback_is_moving_a_length(tiny_dir):
         after = run_ragged(model, [[30]], [0], [4], [1])[0]  # overwrite from position 4
         ref = run_ragged(model, [prompt + [30]], [1], [0], [1])[0]
     assert torch.allclose(after, ref, atol=1e-5)
+
+
+def test_chunk_bounds_cut_at_positions_whatever_follows_the_prompt():
+    assert chunk_bounds(0, 300, 1, 128) == [(0, 128), (128, 256), (256, 300)]
+    assert chunk_bounds(100, 100, 1, 128) == [(100, 128), (128, 200)]  # cuts at multiples, not every 128 tokens
+    assert chunk_bounds(0, 10, 1, 128) == [(0, 10)]
+    for prompt in (255, 256, 257, 300):  # the same prompt with 4 drafts after it (tail 5): the prompt's cuts stay
+        plain, spec = chunk_bounds(0, prompt, 1, 128), chunk_bounds(0, prompt + 4, 5, 128)
+        assert [b for _, b in plain[:-1]] == [b for _, b in spec[:-1]]
+        assert spec[-1][1] - spec[-1][0] >= 5  # the logits the round reads come from one call
+
+
+@pytest.mark.parametrize("hidden", [0, 40, 150])  # features of no, the last 40, every position
+def test_a_long_row_runs_in_chunks_with_the_logits_and_features_of_one_call(tiny_dir, monkeypatch, hidden):
+    """Chunked prefill: a prompt longer than PREFILL_CHUNK runs in calls of at most that many
+    positions, and gives the logits (and features of every position) of one whole call."""
+    model = load_model(tiny_dir)
+    model.setup_cache(2, 256)
+    ids = [(7 * i) % 500 + 3 for i in range(150)]
+    with torch.inference_mode():
+        whole = run_ragged(model, [ids], [0], [0], [3], return_hidden=bool(hidden), n_hidden=[hidden or 3])
+        monkeypatch.setattr(runner, "PREFILL_CHUNK", 32)
+        calls = []
+        forward = model.forward
+
+        def counted(tokens, *a, **kw):
+            calls.append(tokens.shape[1])
+            return forward(tokens, *a, **kw)
+        monkeypatch.setattr(model, "forward", counted)
+        chunked = run_ragged(model, [ids], [1], [0], [3], return_hidden=bool(hidden), n_hidden=[hidden or 3])
+    assert calls == [32, 32, 32, 32, 22]
+    if hidden:
+        (whole, whole_h), (chunked, chunked_h) = whole, chunked
+        assert chunked_h[0].shape == whole_h[0].shape == (hidden, model.args.hidden_size)
+        assert torch.allclose(chunked_h[0], whole_h[0], atol=1e-4)
+    assert chunked[0].shape == whole[0].shape == (3, model.args.vocab_size)
+    assert torch.allclose(chunked[0], whole[0], atol=1e-4)
 
 
 def test_slot_table_sync_keeps_agreeing_prefix():
