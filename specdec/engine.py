@@ -30,6 +30,7 @@ class EngineConfig:
     lookup_k: int = 0  # prompt-lookup tokens per step of multi-step plain rounds (see SchedulerConfig)
     lookup_max_batch: int = 0
     ngram_k: int = 0  # hybrid: prompt-lookup drafts of greedy rows may run this long (see SchedulerConfig)
+    max_prefill_tokens: int = 256  # a long prompt's tokens per round (chunked prefill, see SchedulerConfig)
 
 
 class LLMEngine:

@@ -61,6 +61,8 @@ class SpecBatch(Wire):
     race_noise: list | None = None  # to an in-process proposer: per row, the Exp(1) noise of the positions it
     # drafts ([k, vocab], or a sampling.RaceNoise over its vocabulary); it takes the token its q wins the race
     # with (never crosses processes)
+    partial: list[bool] | None = None  # to the target: rows whose new tokens are the next part of a long
+    # prompt (chunked prefill across rounds, Scheduler.target_end): cached, nothing emitted
     trace_context: dict | None = None  # W3C carrier for tracing across processes
     build: str = ""  # the target configuration the sender's tokens are for ('' = any): a receiver of
     # another refuses the round (during a redeploy old and new replicas run side by side)

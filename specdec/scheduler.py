@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from specdec import runner
 from specdec.adaptive import AdaptiveConfig, AdaptiveK, CostModel, expected_tokens
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.sampling import position_uniforms, round_uniforms
@@ -40,6 +41,8 @@ class SchedulerConfig:
     lookup_max_batch: int = 0  # verify up to lookup_k prompt-lookup tokens per step (SpecBatch.lookup)
     ngram_k: int = 0  # rounds of one row: a greedy row's drafts found by prompt lookup may run this
     # long (SpecBatch.ngram_k; they cost no draft forward), and so may a plain round's lookups
+    max_prefill_tokens: int = 0  # a row feeds the target at most about this many tokens of a long
+    # prompt per round, the rest in later rounds while the other rows decode (`target_end`); 0: all at once
 
 
 def scheduler_config(cfg, **overrides) -> SchedulerConfig:
@@ -57,6 +60,7 @@ class RoundPlan:
     prefill: bool = False  # some row brings a prompt (or a resent context): timings are not a step's
     catch_up: bool = False  # a drafting round after plain ones (or a row's restarted draft context): the draft catches up
     kept: list[int] = field(default_factory=list)  # (commit) tokens each row's sequence kept: after its stop, 0 if aborted or unknown
+    target_ends: list[int] = field(default_factory=list)  # (target_batch) where each row's feed to the target ends
 
 
 class Scheduler:
@@ -129,7 +133,7 @@ class Scheduler:
         `calibrate` / `throttle`: adaptive rows run plain. `probe`: an adaptive row due for a
         probing round may draft."""
         req = seq.params.num_speculative_tokens
-        if not self.cfg.speculate:
+        if not self.cfg.speculate or self.target_end(seq) < len(seq.tokens):  # (drafts follow a whole prompt)
             k = 0
         elif req is not None:
             k = req
@@ -152,6 +156,19 @@ class Scheduler:
         of it the Draft call; prefill rounds feed no cost model, so the adaptive policy could not
         learn it; BENCHMARKS.md "Prefill rounds draft nothing")."""
         return seq.target_offset < len(seq.tokens)
+
+    def target_end(self, seq: Sequence) -> int:
+        """Where the row's feed to the target ends this round: at its last token, or, for a long
+        prompt (more than `max_prefill_tokens` tokens to go), at a multiple of the runner's prefill
+        chunk about that far on (chunked prefill across rounds, as vLLM's: a long prompt no longer
+        holds the lane's other rows, and the other lanes of its target replica, for its whole
+        prefill). The cuts depend on positions only, as the runner's own cuts within a call do, so
+        the prompt's keys and values are the same with and without speculation."""
+        n, at, budget = len(seq.tokens), seq.target_offset, self.cfg.max_prefill_tokens
+        if not budget or n - at <= budget:
+            return n
+        size = runner.PREFILL_CHUNK
+        return min(n, max((at + budget) // size, at // size + 1) * size)
 
     def plan(self) -> RoundPlan | None:
         while self.waiting and len(self.running) < self.cfg.max_batch_size:
@@ -312,9 +329,12 @@ class Scheduler:
     def target_batch(self, plan: RoundPlan, draft: DraftOutput) -> SpecBatch:
         seqs = plan.seqs
         plan.prefill = plan.prefill or any(map(self.prefilling, seqs))
+        plan.target_ends = [self.target_end(s) for s in seqs]
+        partial = [e < len(s.tokens) for s, e in zip(seqs, plan.target_ends)]
         return plan.draft_batch.with_side(
-            [s.target_offset for s in seqs], [s.tokens[s.target_offset:] for s in seqs],
-            num_draft=list(draft.num_draft), features=None)  # features are the draft's, not the target's
+            [s.target_offset for s in seqs], [s.tokens[s.target_offset:e] for s, e in zip(seqs, plan.target_ends)],
+            num_draft=list(draft.num_draft), features=None,  # features are the draft's, not the target's
+            partial=partial if any(partial) else None)
 
     # ---- commit -----------------------------------------------------------------------------
     def commit(self, plan: RoundPlan, draft: DraftOutput, verify: VerifyOutput, draft_time: float,
@@ -336,6 +356,9 @@ class Scheduler:
                 s.add_features(verify.hidden_start[i], verify.hidden[i])
             if i in unknown_t:
                 s.target_offset = 0  # resend the whole context next round
+                continue
+            if plan.target_ends and plan.target_ends[i] < len(s.tokens):  # a part of its prompt went in
+                s.target_offset = plan.target_ends[i]
                 continue
             emitted, m, k = verify.tokens[i], verify.num_accepted[i], draft.num_draft[i]
             kept = plan.kept[i] = s.append(emitted, self.tokenizer)

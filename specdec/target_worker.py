@@ -336,9 +336,10 @@ class TargetWorker:
         tokens, n_acc = rejection_sample(
             logits, draft_tokens, torch.tensor(num_draft), probs, batch.temperature[idx],
             batch.top_k[idx], batch.top_p[idx], uniforms, coupled, race)
+        part = batch.partial or [False] * len(batch)
         for r, (i, st) in enumerate(zip(rows, states)):
-            m = int(n_acc[r])
-            emitted = tokens[r, : m + 1].tolist()
+            m = int(n_acc[r])  # (0 for a part of a prompt: it has no drafts, Scheduler.choose_k)
+            emitted = [] if part[i] else tokens[r, : m + 1].tolist()  # (part of a prompt: cached only)
             taken = has_sib[r] and m == 0 and emitted[0] == sib[r]  # the sibling is the target's token
             st.cached = len(st.tokens) + m  # valid: old tokens + accepted drafts (not a sibling)
             if taken:  # two tokens, but no accepted draft: the chain's first was rejected (m stays 0)

@@ -18,13 +18,14 @@ def tiny(tiny_dir, tiny_draft_dir, tiny_tok):
 
 
 def make_engine(target, proposer_kind, draft=None, tok=None, k=4, adaptive=False, batch=8, speculate=True,
-                plain_steps=1):
+                plain_steps=1, max_prefill_tokens=256):
     tw = TargetWorker(target, num_slots=batch, max_model_len=512)
     prop = {"none": None, "ngram": lambda: NgramProposer(),
             "draft": lambda: DraftModelProposer(draft, num_slots=batch, max_model_len=512)}[proposer_kind]
     return LLMEngine(tw, prop() if prop else None, tok,
                      EngineConfig(max_batch_size=batch, num_speculative_tokens=k, adaptive=adaptive,
-                                  speculate=speculate, plain_steps=plain_steps))
+                                  speculate=speculate, plain_steps=plain_steps,
+                                  max_prefill_tokens=max_prefill_tokens))
 
 
 def greedy(n=32, **kw):
@@ -87,6 +88,43 @@ def test_greedy_identity_with_prompts_prefilled_in_chunks(tiny, kind, monkeypatc
     assert max(map(len, prompts)) > 3 * 24
     ref = outputs(make_engine(target, "none", tok=tok), prompts, greedy())
     assert outputs(make_engine(target, kind, draft, tok, k=3), prompts, greedy()) == ref
+
+
+@pytest.mark.parametrize("kind", ["none", "draft"])
+def test_a_long_prompt_enters_over_rounds_while_the_other_rows_decode(tiny, kind, monkeypatch):
+    """Chunked prefill across rounds: a prompt longer than max_prefill_tokens reaches the target in
+    parts cut at multiples of the prefill chunk, emitting nothing until its last part, while a
+    short prompt beside it decodes; the outputs are those of whole-prompt prefills."""
+    from specdec import runner
+    monkeypatch.setattr(runner, "PREFILL_CHUNK", 8)
+    target, draft, tok = tiny
+    prompts = [tok(PROMPTS[0] * 6).input_ids, tok(PROMPTS[1]).input_ids]
+    assert len(prompts[0]) > 100
+    whole = outputs(make_engine(target, "none", tok=tok, max_prefill_tokens=0), prompts, greedy())
+    engine = make_engine(target, kind, draft, tok, k=3, max_prefill_tokens=20)
+    calls, verify = [], engine.target.verify
+
+    def spy(batch, draft_out):  # (the long prompt is row 0 while it enters)
+        out = verify(batch, draft_out)
+        calls.append((batch.offsets[0], len(batch.new_tokens[0]), bool(batch.partial and batch.partial[0]),
+                      out.tokens[0], out.tokens[1] if len(batch) > 1 else [], draft_out.num_draft[0]))
+        return out
+    engine.target.verify = spy
+    assert outputs(engine, prompts, greedy()) == whole
+    parts = [c for c in calls if c[2]]
+    assert len(parts) >= 6 and [c[0] + c[1] for c in parts] == [16 * (j + 1) for j in range(len(parts))]
+    assert all(c[3] == [] and c[5] == 0 for c in parts)  # a part of a prompt emits nothing, and has no drafts
+    assert all(c[4] for c in parts)  # the short row emitted in every one of those rounds
+
+
+def test_seeded_sampling_is_the_same_with_prompts_entering_over_rounds(tiny, monkeypatch):
+    from specdec import runner
+    monkeypatch.setattr(runner, "PREFILL_CHUNK", 8)
+    target, draft, tok = tiny
+    prompts = [tok(PROMPTS[2] * 8).input_ids]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    whole = outputs(make_engine(target, "none", tok=tok, max_prefill_tokens=0), prompts, params)
+    assert outputs(make_engine(target, "draft", draft, tok, k=3, max_prefill_tokens=20), prompts, params) == whole
 
 
 def test_self_draft_accepts_everything(tiny):
