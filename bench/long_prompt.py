@@ -51,6 +51,8 @@ async def stream(client: httpx.AsyncClient, url: str, content: str, max_tokens: 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the request failed after its stream began
+                raise RuntimeError(f"stream error: {chunk['error']}")
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):

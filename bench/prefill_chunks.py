@@ -1,5 +1,7 @@
 """Prefill time by prompt length: one call for the whole prompt against chunks of N positions
-(chunked prefill, specdec.runner.PREFILL_CHUNK), the demo target through `run_ragged`.
+(chunked prefill, specdec.runner.PREFILL_CHUNK), the demo target through `run_ragged`, with the
+model's position-invariant attention in every chunk and (last column, chunks of the default size)
+with SDPA in the prompt's chunks before its last, as a target replica runs a prompt.
 
     python bench/prefill_chunks.py [--dtype bfloat16] [--lengths 200,512,1024,2048] [--chunks 64,128,192,256]
 
@@ -19,13 +21,13 @@ from specdec import runner
 from specdec.loader import load_model, parse_dtype
 
 
-def prefill_s(model, ids: list[int], chunk: int, repeats: int) -> float:
+def prefill_s(model, ids: list[int], chunk: int, repeats: int, prompt_sdpa: bool = False) -> float:
     best = float("inf")
     for _ in range(repeats):
         runner.PREFILL_CHUNK = chunk
         t0 = time.perf_counter()
         with torch.inference_mode():
-            runner.run_ragged(model, [ids], [0], [0], [1])
+            runner.run_ragged(model, [ids], [0], [0], [1], prompt_lens=[len(ids)] if prompt_sdpa else None)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -44,18 +46,22 @@ def main() -> None:
     model.setup_cache(1, max(lengths) + 64)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    bar = tqdm(total=len(lengths) * (len(chunks) + 1), desc="prefill")
+    bar = tqdm(total=len(lengths) * (len(chunks) + 2), desc="prefill")
+    default = runner.PREFILL_CHUNK
     for n in lengths:
         ids = torch.randint(100, 40000, (n,), generator=gen).tolist()
         row = [n]
         for c in [10**9, *chunks]:  # 10**9: the whole prompt in one call
             row.append(prefill_s(model, ids, c, a.repeats))
             bar.update()
+        row.append(prefill_s(model, ids, default, a.repeats, prompt_sdpa=True))
+        bar.update()
         rows.append(row)
     bar.close()
     print(f"\n### Prefill seconds, {a.dtype}, {a.threads} threads (best of {a.repeats})\n")
-    print("| prompt tokens | whole | " + " | ".join(f"chunks of {c}" for c in chunks) + " |")
-    print("|---|---|" + "---|" * len(chunks))
+    print("| prompt tokens | whole | " + " | ".join(f"chunks of {c}" for c in chunks)
+          + f" | chunks of {default}, SDPA before the last |")
+    print("|---|---|" + "---|" * (len(chunks) + 1))
     for n, whole, *rest in rows:
         print(f"| {n} | {whole:.2f} | " + " | ".join(f"{t:.2f} ({whole / t:.1f}x)" for t in rest) + " |")
 

@@ -63,6 +63,8 @@ class SpecBatch(Wire):
     # with (never crosses processes)
     partial: list[bool] | None = None  # to the target: rows whose new tokens are the next part of a long
     # prompt (chunked prefill across rounds, Scheduler.target_end): cached, nothing emitted
+    prompt_len: list[int] | None = None  # to the target, in rounds with a prefill: each row's prompt length
+    # (the prompt's chunks may attend with SDPA, runner.run_ragged)
     trace_context: dict | None = None  # W3C carrier for tracing across processes
     build: str = ""  # the target configuration the sender's tokens are for ('' = any): a receiver of
     # another refuses the round (during a redeploy old and new replicas run side by side)

@@ -588,12 +588,13 @@ class Transformer(nn.Module):
         return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
 
     def hidden_states(self, tokens: Tensor, slots: Tensor, starts: Tensor, sibling: Tensor | None = None,
-                      taps: bool = False) -> Tensor:
+                      taps: bool = False, exact: bool | None = None) -> Tensor:
         """tokens: [B, T] new tokens; slots, starts: [B]; sibling: see `BatchIndex.build`.
         Returns final-norm features [B, T, hidden]; with `taps`, the outputs of `feature_layers`
         (RMS-normalized, no weight) precede them: [B, T, (len(feature_layers) + 1) * hidden], the
-        low/middle/high fusion an EAGLE-3 draft reads (Li et al. 2025)."""
-        exact = self.position_invariant
+        low/middle/high fusion an EAGLE-3 draft reads (Li et al. 2025). `exact`: False runs SDPA
+        even where the model is position-invariant (a prompt's chunk, `runner.run_ragged`)."""
+        exact = self.position_invariant and exact is not False
         lone = exact and tokens.numel() == 1  # a one-row matmul takes another kernel: add a dummy position
         if lone:
             tokens = tokens.repeat(1, 2)  # (contiguous: a compiled stack guards strides)
@@ -651,17 +652,19 @@ class Transformer(nn.Module):
         self._compiled = torch.compile(self._stack, dynamic=True, options={"cpp_wrapper": True})
 
     def forward(self, tokens: Tensor, slots: Tensor, starts: Tensor, last: Tensor | None = None,
-                n_logits: int = 1, n_hidden: int = 0, sibling: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                n_logits: int = 1, n_hidden: int = 0, sibling: Tensor | None = None,
+                exact: bool | None = None) -> tuple[Tensor, Tensor]:
         """Run new tokens and return logits of `n_logits` positions per row ending at `last`.
 
         tokens: [B, T]; slots, starts: [B]; last: [B] index (within T) of each row's last real
-        token (default T-1); sibling [B, 2]: a draft tree's extra node (`BatchIndex.build`).
+        token (default T-1); sibling [B, 2]: a draft tree's extra node (`BatchIndex.build`);
+        exact=False: SDPA attention where the model would be position-invariant (`hidden_states`).
         Returns (logits [B, n_logits, vocab] float32, hidden [B, n, hidden]) with
         n = max(n_logits, n_hidden): features of the last n positions (for EAGLE drafts; with
         `feature_layers`, their taps first, see `hidden_states`).
         """
-        return self.head(self.hidden_states(tokens, slots, starts, sibling, taps=n_hidden > 0), last, n_logits,
-                         n_hidden)
+        return self.head(self.hidden_states(tokens, slots, starts, sibling, taps=n_hidden > 0, exact=exact), last,
+                         n_logits, n_hidden)
 
     def head(self, h: Tensor, last: Tensor | None, n_logits: int, n_hidden: int = 0) -> tuple[Tensor, Tensor]:
         """h: [B, T, hidden] -> (logits of the last n_logits positions up to `last`, their features)."""

@@ -334,7 +334,8 @@ class Scheduler:
         return plan.draft_batch.with_side(
             [s.target_offset for s in seqs], [s.tokens[s.target_offset:e] for s, e in zip(seqs, plan.target_ends)],
             num_draft=list(draft.num_draft), features=None,  # features are the draft's, not the target's
-            partial=partial if any(partial) else None)
+            partial=partial if any(partial) else None,
+            prompt_len=[len(s.prompt_ids) for s in seqs] if plan.prefill else None)
 
     # ---- commit -----------------------------------------------------------------------------
     def commit(self, plan: RoundPlan, draft: DraftOutput, verify: VerifyOutput, draft_time: float,

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from specdec import runner
 from specdec.corpus import NgramCorpus
 from specdec.metadata import DraftOutput, SpecBatch, VerifyOutput
 from specdec.proposers.base import Proposer
@@ -75,7 +76,7 @@ class TargetWorker:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run one forward of each shape class a round can bring (one or several rows, one or
-        several positions, a prompt longer than runner.SHORT_ROW), so that a compiled target
+        several positions, a prompt longer than runner.SHORT_ROW, one of two chunks), so that a compiled target
         (`Transformer.compile_layers`) compiles them now and not in a request's round. The
         writes land in free slots at positions that any sequence writes before it reads them."""
         want_hidden = self.return_hidden or self.drafter is not None
@@ -84,6 +85,9 @@ class TargetWorker:
         for rows, T in [(1, 1), (1, 4), (1, 5), (1, SHORT_ROW + 8), (slots, 1), (slots, 4), (slots, 5)]:
             run_ragged(self.model, [[0] * T] * rows, list(range(rows)), [0] * rows, [1] * rows,
                        return_hidden=want_hidden)
+        T = runner.PREFILL_CHUNK + 8  # a prompt of two chunks: the first attends with SDPA (run_ragged)
+        if T <= self.max_model_len:
+            run_ragged(self.model, [[0] * T], [0], [0], [1], return_hidden=want_hidden, prompt_lens=[T])
 
     @property
     def vocab_size(self) -> int:
@@ -327,7 +331,8 @@ class TargetWorker:
         want_hidden = self.return_hidden or self.drafter is not None
         res = run_ragged(self.model, feeds, [st.slot for st in states], starts,
                          [n + 1 + h for n, h in zip(num_draft, has_sib)], return_hidden=want_hidden,
-                         n_hidden=[len(f) for f in feeds], siblings=[n if h else 0 for n, h in zip(num_draft, has_sib)])
+                         n_hidden=[len(f) for f in feeds], siblings=[n if h else 0 for n, h in zip(num_draft, has_sib)],
+                         prompt_lens=[batch.prompt_len[i] for i in rows] if batch.prompt_len else None)
         logits_rows, hidden_rows = res if want_hidden else (res, None)
         logits = torch.zeros(len(rows), K + 1, self.vocab_size)  # [b, K+1, vocab]
         for r, lg in enumerate(logits_rows):

@@ -101,6 +101,28 @@ def test_a_long_row_runs_in_chunks_with_the_logits_and_features_of_one_call(tiny
     assert torch.allclose(chunked[0], whole[0], atol=1e-4)
 
 
+def test_a_prompts_chunks_before_its_last_attend_with_sdpa(tiny_dir, monkeypatch):
+    """Chunks that end before the prompt's last token run SDPA (exact=False); the chunk with that
+    token (its logits are the first output token's; drafts follow it) and those after it (a
+    re-prefill's generated tokens) keep the model's own attention; every chunk of a part of a
+    prompt (chunked prefill across rounds) runs SDPA."""
+    model = load_model(tiny_dir)
+    model.setup_cache(1, 256)
+    monkeypatch.setattr(runner, "PREFILL_CHUNK", 32)
+    calls, forward = [], model.forward
+
+    def spy(tokens, *a, exact=None, **kw):
+        calls.append((tokens.shape[1], exact))
+        return forward(tokens, *a, exact=exact, **kw)
+    monkeypatch.setattr(model, "forward", spy)
+    with torch.inference_mode():
+        run_ragged(model, [list(range(3, 103))], [0], [0], [1], prompt_lens=[70])
+        run_ragged(model, [list(range(3, 67))], [0], [0], [1], prompt_lens=[150])  # a part: [0, 64) of 150
+        run_ragged(model, [list(range(3, 67))], [0], [0], [1], prompt_lens=[64])  # the whole prompt
+    assert calls == [(32, False), (32, False), (32, None), (4, None),  # [64, 96) holds the prompt's last token
+                     (32, False), (32, False), (32, False), (32, None)]
+
+
 def test_slot_table_sync_keeps_agreeing_prefix():
     t = SlotTable(2, 64)
     st = t.sync(7, 0, [1, 2, 3])
