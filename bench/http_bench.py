@@ -119,6 +119,15 @@ PROMPT_SETS = {"everyday": QUESTIONS, "coding": CODING, "tasks": TASKS, "fresh":
 STOP_AT_EOS = False  # --stop-at-eos: answers end at the model's end of sequence (else ignore_eos)
 
 
+async def sse_chunks(client, url: str, path: str, body: dict):
+    """The JSON objects of a streamed response (a non-200 status raises)."""
+    async with client.stream("POST", f"{url}{path}", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def one(client, url, model, q, max_tokens, spec: bool, temperature: float = 0.0):
     """One streamed request: (start, arrival time of each content chunk, completion tokens).
 
@@ -131,17 +140,12 @@ async def one(client, url, model, q, max_tokens, spec: bool, temperature: float 
         body["num_speculative_tokens"] = int(spec)
     t0 = time.perf_counter()
     times, text = [], []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                max_tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
-                text.append(chunk["choices"][0]["delta"]["content"])
+    async for chunk in sse_chunks(client, url, "/v1/chat/completions", body):
+        if chunk.get("usage"):
+            max_tokens = chunk["usage"]["completion_tokens"]
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            times.append(time.perf_counter())
+            text.append(chunk["choices"][0]["delta"]["content"])
     return t0, times, max_tokens
 
 

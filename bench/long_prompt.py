@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from http_bench import QUESTIONS, TASKS, start_local  # noqa: E402
+from http_bench import QUESTIONS, TASKS, sse_chunks, start_local  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -45,20 +44,15 @@ async def stream(client: httpx.AsyncClient, url: str, content: str, max_tokens: 
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0, times, prompt_tokens = time.perf_counter(), [], 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:  # the request failed after its stream began
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
-                if started is not None and len(times) == 4:
-                    started.set()
+    async for chunk in sse_chunks(client, url, "/v1/chat/completions", body):
+        if "error" in chunk:  # the request failed after its stream began
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        if chunk.get("usage"):
+            prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            times.append(time.perf_counter())
+            if started is not None and len(times) == 4:
+                started.set()
     return t0, times, prompt_tokens
 
 

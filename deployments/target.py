@@ -134,11 +134,12 @@ class TPWorker:
     def setup_cache(self, num_slots: int, max_len: int) -> None:
         self.model.setup_cache(num_slots, max_len)
 
-    def forward(self, tokens, slots, starts, last, n_logits, n_hidden=0, trace_carrier=None, sibling=None):
+    def forward(self, tokens, slots, starts, last, n_logits, n_hidden=0, trace_carrier=None, sibling=None,
+                exact=None):
         from deployments.tracing import span
         with span("tp_worker.forward", trace_carrier, rank=self.rank, rows=int(tokens.shape[0])):
             with torch.inference_mode():
-                self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
+                self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling, exact)
         return True
 
     @ray.method(concurrency_group="health")
@@ -167,11 +168,12 @@ class TPGroupModel:
         self.model.setup_cache(num_slots, max_len)
         ray.get(refs)
 
-    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1, n_hidden: int = 0, sibling=None):
+    def __call__(self, tokens, slots, starts, last=None, n_logits: int = 1, n_hidden: int = 0, sibling=None,
+                 exact=None):
         cpu = [t.cpu() if torch.is_tensor(t) else t for t in (tokens, slots, starts, last, sibling)]
-        refs = [w.forward.remote(*cpu[:4], n_logits, n_hidden, self.trace_carrier, cpu[4]) for w in self.workers]
+        refs = [w.forward.remote(*cpu[:4], n_logits, n_hidden, self.trace_carrier, cpu[4], exact) for w in self.workers]
         try:
-            out = self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling)
+            out = self.model(tokens, slots, starts, last, n_logits, n_hidden, sibling, exact)
         except Exception as e:
             # the same failure on every rank (at the same point) leaves the group in step; a rank-0-only
             # one (e.g. an allocation on the rank that also holds the logits) leaves the others waiting

@@ -194,12 +194,13 @@ def test_tensor_parallel_2_matches_tp_1(deploy, ray_cluster, tiny_dir, tiny_app)
 
 def test_eagle_hybrid_over_tensor_parallel_matches_plain(deploy, ray_cluster, tiny_dir, tiny_eagle_dir, tiny_app):
     """An EAGLE draft in the hybrid proposer, target TP=2: the features of confirmed positions
-    travel target rank 0 -> router -> draft, and greedy output still equals plain decoding."""
+    travel target rank 0 -> router -> draft, and greedy output still equals plain decoding; also
+    for a prompt that enters in two rounds (max_prefill_tokens), its first chunks by SDPA on every rank."""
     url1, model = tiny_app
     url2 = deploy("eagle", {"target": str(tiny_dir), "proposer": "hybrid", "draft": str(tiny_eagle_dir), "tp": 2,
                             "max_model_len": 512, "dtype": "float32", "target_cpus": 0.25,
                             "num_speculative_tokens": 3, "adaptive": False})
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:4] + [[(7 * i) % 500 + 3 for i in range(300)]]
     plain = [_complete(url1, model, p, num_speculative_tokens=0)["choices"][0]["text"] for p in prompts]
     spec = [_complete(url2, model, p) for p in prompts]
     assert [s["choices"][0]["text"] for s in spec] == plain
